@@ -1,0 +1,172 @@
+"""The one registry: method names -> advantage estimator, shaping, sampling, policy loss, defaults.
+
+Every baseline is the GRPO-ds recipe (dynamic sampling, clip 0.2 / 0.28, dual-clip, token-mean)
+plus its own change, so that the method is the only axis between rows of a comparison; the
+exceptions are stated per method (`grpo` drops dynamic sampling and clip-higher, `w-reinforce`
+uses its own advantages without dynamic sampling). A method's `defaults` are recipe keys that define
+it; they are applied over the recipe file and under `-o` overrides (see stare_cli/recipes.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+from torch import Tensor
+
+from stare_cli.errors import StareError, did_you_mean
+
+AdvName = Literal["grpo", "w_reinforce"]
+LossName = Literal["ppo_clip", "gspo", "clip_cov", "kl_cov"]
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    name: str
+    title: str  # the row name in the paper's Table 2
+    reference: str
+    summary: str
+    advantage: AdvName = "grpo"
+    loss: LossName = "ppo_clip"
+    stare: Optional[Literal["o1", "c2"]] = None
+    entro_adv: bool = False
+    top_entropy: bool = False
+    defaults: dict[str, Any] = field(default_factory=dict)
+
+
+_DS = {  # the GRPO-ds recipe every baseline shares
+    "method.dynamic_sampling": True,
+    "method.clip_low": 0.2,
+    "method.clip_high": 0.28,
+    "method.overlong.enable": False,
+    "method.entropy_coef": 0.0,
+    "method.adv_estimator": "grpo",
+}
+
+
+def _ds(**extra: Any) -> dict[str, Any]:
+    return {**_DS, **{k.replace("__", "."): v for k, v in extra.items()}}
+
+
+METHODS: dict[str, MethodSpec] = {
+    m.name: m
+    for m in [
+        MethodSpec(
+            "grpo", "GRPO", "arXiv 2402.03300", "GRPO: group-normalised advantages, symmetric clip 0.2, no dynamic sampling",
+            defaults=_ds(method__dynamic_sampling=False, method__clip_high=0.2),
+        ),
+        MethodSpec(
+            "grpo-ds", "GRPO-ds", "arXiv 2503.14476 (DAPO), the paper's baseline",
+            "GRPO + dynamic sampling + clip-higher 0.28 + token-mean; no overlong shaping",
+            defaults=_ds(),
+        ),
+        MethodSpec(
+            "dapo", "DAPO", "arXiv 2503.14476", "GRPO-ds + overlong reward shaping",
+            defaults=_ds(method__overlong__enable=True),
+        ),
+        MethodSpec(
+            "entropy-reg", "EntroReg", "entropy regularisation (e.g. arXiv 2505.22617, Sec. 2)",
+            "GRPO-ds + entropy bonus: loss -= coef * H (coef 0.001)",
+            defaults=_ds(method__entropy_coef=0.001),
+        ),
+        MethodSpec(
+            "clip-cov", "Clip-Cov", "arXiv 2505.22617", "GRPO-ds, detaching random high-covariance tokens",
+            loss="clip_cov", defaults=_ds(),
+        ),
+        MethodSpec(
+            "kl-cov", "KL-Cov", "arXiv 2505.22617", "GRPO-ds, KL penalty on the top-covariance tokens",
+            loss="kl_cov", defaults=_ds(),
+        ),
+        MethodSpec(
+            "80-20", "80/20 Rule", "arXiv 2506.01939", "GRPO-ds, gradient only on the top-20% entropy tokens",
+            top_entropy=True, defaults=_ds(),
+        ),
+        MethodSpec(
+            "entro-adv", "EntroAdv", "arXiv 2506.14758", "GRPO-ds, A' = A + min(alpha H, |A| / kappa)",
+            entro_adv=True, defaults=_ds(),
+        ),
+        MethodSpec(
+            "gspo", "GSPO", "arXiv 2507.18071", "GRPO-ds with the sequence-level clipped ratio, seq-mean-token-mean",
+            loss="gspo", defaults=_ds(method__loss_agg="seq-mean-token-mean"),
+        ),
+        MethodSpec(
+            "w-reinforce", "W-REINF", "arXiv 2506.01347",
+            "REINFORCE with A = lambda (correct) / -1 (wrong), lambda 0.1; no dynamic sampling",
+            advantage="w_reinforce", defaults=_ds(method__dynamic_sampling=False),
+        ),
+        MethodSpec(
+            "stare-o1", "STARE-O1", "arXiv 2606.19236", "GRPO-ds + W on the top-P surprisal tokens of T+ while H < H_tgt",
+            stare="o1", defaults=_ds(),
+        ),
+        MethodSpec(
+            "stare-c2", "STARE-C2", "arXiv 2606.19236", "STARE-O1 + M on the top-P surprisal tokens of T-",
+            stare="c2", defaults=_ds(),
+        ),
+    ]
+}
+
+
+def check_method(name: str) -> MethodSpec:
+    """The spec of `name`, or a StareError listing the valid names with a 'did you mean'."""
+    if name not in METHODS:
+        raise StareError(
+            f"unknown method '{name}'{did_you_mean(name, METHODS)}; valid: {', '.join(METHODS)}",
+            hint="`stare methods` lists them",
+        )
+    return METHODS[name]
+
+
+def method_defaults(name: str) -> dict[str, Any]:
+    """Recipe keys (dotted) that define method `name`."""
+    return dict(check_method(name).defaults)
+
+
+def policy_loss(
+    spec: MethodSpec,
+    cfg: Any,
+    *,
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    adv: Tensor,
+    mask: Tensor,
+    entropy: Optional[Tensor] = None,
+    agg: Any = None,
+    generator: Any = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The method's loss on one (micro-)batch. Shapes [B, T].
+
+    `adv` already carries any token-level transform done at batch scope (STARE weights); `mask`
+    already excludes tokens a method drops at batch scope (80/20). `entropy` is the current
+    policy's token entropy with grad (needed by EntroAdv and the entropy bonus). `cfg` is the
+    recipe's MethodConfig.
+    """
+    from baselines.aggregation import Agg
+    from baselines.losses import clip_cov_loss, entro_adv, entropy_bonus, gspo_loss, kl_cov_loss, ppo_clip_loss
+
+    agg = agg or Agg(cfg.loss_agg)
+    if spec.entro_adv:
+        if entropy is None:
+            raise ValueError("entro-adv needs the current policy's token entropy")
+        adv = entro_adv(adv, entropy, cfg.entro_adv.alpha, cfg.entro_adv.kappa)
+    common = dict(log_prob=log_prob, old_log_prob=old_log_prob, adv=adv, mask=mask, agg=agg)
+    if spec.loss == "ppo_clip":
+        loss, stats = ppo_clip_loss(**common, clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip)
+    elif spec.loss == "gspo":
+        loss, stats = gspo_loss(**common, clip_low=cfg.gspo.clip_low, clip_high=cfg.gspo.clip_high)
+    elif spec.loss == "clip_cov":
+        c = cfg.clip_cov
+        loss, stats = clip_cov_loss(
+            **common, clip_low=cfg.clip_low, clip_high=cfg.clip_high, ratio_frac=c.ratio,
+            cov_lb=c.cov_lb, cov_ub=c.cov_ub, generator=generator,
+        )
+    elif spec.loss == "kl_cov":
+        loss, stats = kl_cov_loss(**common, ratio_frac=cfg.kl_cov.ratio, coef=cfg.kl_cov.coef)
+    else:  # pragma: no cover - MethodSpec.loss is a closed Literal
+        raise ValueError(spec.loss)
+    if cfg.entropy_coef > 0:
+        if entropy is None:
+            raise ValueError("the entropy bonus needs the current policy's token entropy")
+        bonus = entropy_bonus(entropy, mask, cfg.entropy_coef, agg)
+        stats["entropy_bonus"] = bonus.detach()
+        loss = loss + bonus
+    return loss, stats

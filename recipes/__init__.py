@@ -1,0 +1,1 @@
+"""Shipped recipes (YAML package data). Names are paths below this folder without `.yaml`."""

@@ -1,0 +1,3 @@
+from stare_cli.cli import entry
+
+entry()

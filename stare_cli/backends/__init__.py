@@ -1,0 +1,1 @@
+"""Training backends: embedded (default) and verl."""

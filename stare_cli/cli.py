@@ -1,0 +1,283 @@
+"""The `stare` command line: thin wrappers over the library. Data on stdout, errors on stderr.
+
+Exit codes: 0 ok; 1 domain error (one line on stderr, STARE_DEBUG=1 for the traceback);
+2 usage error; 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import click
+import typer
+
+try:  # typer >= 0.20 vendors its own click; catch both that one's exceptions and click's
+    from typer._click import exceptions as _tce
+except ImportError:  # pragma: no cover - older typer uses click itself
+    _tce = click.exceptions
+_EXIT = (click.exceptions.Exit, typer.Exit)
+_USAGE = (click.exceptions.UsageError, _tce.UsageError)
+_ABORT = (click.exceptions.Abort, typer.Abort, KeyboardInterrupt)
+_CLICK = (click.exceptions.ClickException, _tce.ClickException)
+
+from stare_cli import __version__
+from stare_cli.errors import NotImplementedYet, StareError
+
+app = typer.Typer(
+    name="stare",
+    help="STARE and the RL-for-reasoning baselines: train, evaluate and compare under the same recipes.",
+    no_args_is_help=True,
+    rich_markup_mode="rich",
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+recipes_app = typer.Typer(help="List, show and validate recipes.", no_args_is_help=True)
+toy_app = typer.Typer(help="The CPU toy: a tiny model and task built locally.", no_args_is_help=True)
+app.add_typer(recipes_app, name="recipes", rich_help_panel="Recipes and methods")
+app.add_typer(toy_app, name="toy", rich_help_panel="Training")
+
+
+class Backend(str, Enum):
+    embedded = "embedded"
+    verl = "verl"
+
+
+class Engine(str, Enum):
+    auto = "auto"
+    hf = "hf"
+    vllm = "vllm"
+    openai = "openai"
+
+
+OverrideOpt = Annotated[
+    Optional[list[str]],
+    typer.Option("--override", "-o", help="key.path=value, through the recipe schema; repeatable.", metavar="KEY=VALUE"),
+]
+MethodOpt = Annotated[Optional[str], typer.Option("--method", "-m", help="Method name (see `stare methods`).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"stare {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        Optional[bool], typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = None,
+) -> None:
+    """STARE reproduction suite."""
+
+
+# ----------------------------------------------------------------------------------------- train
+@app.command(rich_help_panel="Training")
+def train(
+    recipe: Annotated[str, typer.Option("--recipe", "-r", help="Recipe name (see `stare recipes list`) or YAML path.")],
+    method: MethodOpt = None,
+    override: OverrideOpt = None,
+    backend: Annotated[Optional[Backend], typer.Option(help="Override the recipe's backend.")] = None,
+    out: Annotated[Path, typer.Option(help="Parent directory of run directories.")] = Path("runs"),
+    resume: Annotated[
+        Optional[Path], typer.Option(help="Continue this run directory from its latest checkpoint.")
+    ] = None,
+    threads: Annotated[Optional[int], typer.Option(min=1, help="torch threads (embedded backend).")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="verl: print the generated overrides and exit.")] = False,
+    emit_script: Annotated[
+        Optional[Path], typer.Option(help="verl: write a `ray job submit` script instead of launching.")
+    ] = None,
+) -> None:
+    """Train one method under one recipe."""
+    from stare_cli.recipes import load_recipe
+
+    overrides = list(override or [])
+    if backend is not None:
+        overrides.append(f"backend.name={backend.value}")
+    if threads is not None:
+        overrides.append(f"backend.embedded.threads={threads}")
+    if resume is not None:
+        from stare_cli.backends.embedded import resume_recipe
+
+        cfg = resume_recipe(resume, overrides)
+    else:
+        cfg = load_recipe(recipe, method, overrides)
+    if cfg.backend.name == "verl":
+        raise NotImplementedYet(
+            "the verl backend is not implemented yet", hint="use --backend embedded (the default)"
+        )
+    if dry_run or emit_script:
+        raise StareError("--dry-run and --emit-script apply to the verl backend", hint="add --backend verl")
+    from stare_cli.backends.embedded import train as embedded_train
+
+    run_dir = embedded_train(cfg, out_root=out, resume_dir=resume)
+    typer.echo(str(run_dir))
+
+
+# ------------------------------------------------------------------------------------------ eval
+@app.command("eval", rich_help_panel="Evaluation")
+def eval_cmd(
+    bench: Annotated[list[str], typer.Option("--bench", "-b", help="Benchmark name, repeatable; 'paper' = all six.")],
+    model: Annotated[str, typer.Option(help="Model directory, run checkpoint or hub id.")],
+    engine: Annotated[Engine, typer.Option(help="Generation engine.")] = Engine.auto,
+    n: Annotated[Optional[int], typer.Option("-n", min=1, help="Samples per problem (default: the paper's).")] = None,
+    limit: Annotated[Optional[int], typer.Option(min=1, help="Only the first K problems.")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Output directory.")] = None,
+) -> None:
+    """Evaluate a model on math benchmarks (avg@N, pass@k, maj@k)."""
+    raise NotImplementedYet("`stare eval` is not implemented yet", hint="tracked in the evaluation issue")
+
+
+# --------------------------------------------------------------------------------------- compare
+@app.command(rich_help_panel="Evaluation")
+def compare(
+    runs: Annotated[list[Path], typer.Argument(help="Run directories or eval output directories.")],
+    paper: Annotated[Optional[str], typer.Option(help="Put the paper's Table 2 rows of this scenario beside ours.")] = None,
+) -> None:
+    """Tables and plots of runs beside the paper's numbers."""
+    raise NotImplementedYet("`stare compare` is not implemented yet", hint="tracked in the compare issue")
+
+
+# --------------------------------------------------------------------------------------- methods
+@app.command(rich_help_panel="Recipes and methods")
+def methods(as_json: JsonOpt = False) -> None:
+    """List the registered methods."""
+    from baselines.registry import METHODS
+
+    if as_json:
+        rows = [
+            {"name": m.name, "title": m.title, "reference": m.reference, "summary": m.summary, "defaults": m.defaults}
+            for m in METHODS.values()
+        ]
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="Methods", show_lines=False)
+    for col in ("name", "paper row", "reference", "what it does"):
+        t.add_column(col)
+    for m in METHODS.values():
+        t.add_row(m.name, m.title, m.reference, m.summary)
+    Console().print(t)
+
+
+# --------------------------------------------------------------------------------------- recipes
+@recipes_app.command("list")
+def recipes_list(as_json: JsonOpt = False) -> None:
+    """List the shipped recipes."""
+    from stare_cli.recipes import list_recipes, load_recipe
+
+    rows = []
+    for name in list_recipes():
+        r = load_recipe(name)
+        rows.append({"name": name, "description": r.description, "model": r.model.path, "method": r.method.name})
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="Recipes")
+    for col in ("name", "model", "default method", "description"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(r["name"], r["model"], r["method"], r["description"])
+    Console().print(t)
+
+
+@recipes_app.command("show")
+def recipes_show(
+    recipe: Annotated[str, typer.Argument(help="Recipe name or YAML path.")],
+    method: MethodOpt = None,
+    override: OverrideOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Print the fully resolved recipe (YAML), with method defaults and overrides applied."""
+    from stare_cli.recipes import load_recipe, recipe_to_yaml
+
+    r = load_recipe(recipe, method, override)
+    typer.echo(json.dumps(r.model_dump(mode="json"), indent=2) if as_json else recipe_to_yaml(r), nl=False)
+
+
+@recipes_app.command("validate")
+def recipes_validate(
+    recipes: Annotated[Optional[list[str]], typer.Argument(help="Names or paths (default: every shipped recipe).")] = None,
+    method: MethodOpt = None,
+    all_methods: Annotated[bool, typer.Option("--all-methods", help="Validate under every registered method.")] = False,
+) -> None:
+    """Validate recipes without loading a model (no GPU needed). Exit 1 on the first invalid one."""
+    from baselines.registry import METHODS
+    from stare_cli.recipes import list_recipes, load_recipe
+
+    names = recipes or list_recipes()
+    meths: list[Optional[str]] = list(METHODS) if all_methods else [method]
+    for name in names:
+        for m in meths:
+            load_recipe(name, m)
+        typer.echo(f"ok  {name}")
+
+
+# ------------------------------------------------------------------------------------------- toy
+@toy_app.command("init")
+def toy_init(
+    force: Annotated[bool, typer.Option(help="Rebuild even if cached.")] = False,
+    threads: Annotated[int, typer.Option(min=1, help="torch threads.")] = 1,
+) -> None:
+    """Build the toy tokenizer and model and run its supervised warm-up (cached)."""
+    from stare_cli.toy import ensure_toy_model
+
+    typer.echo(str(ensure_toy_model("arith", force=force, threads=threads)))
+
+
+@app.command(rich_help_panel="Training")
+def demo(
+    out: Annotated[Path, typer.Option(help="Parent directory of the demo's runs.")] = Path("runs/demo"),
+    steps: Annotated[Optional[int], typer.Option(min=1, help="Training steps per method.")] = None,
+    seed: Annotated[int, typer.Option(min=0, help="Seed shared by both methods.")] = 1,
+) -> None:
+    """The main job on CPU: GRPO-ds vs STARE-O1 on the toy, then a table and the dynamics plot."""
+    from stare_cli.demo import run_demo
+
+    run_demo(out=out, steps=steps, seed=seed)
+
+
+# ------------------------------------------------------------------------------------------ main
+def main(argv: Optional[list[str]] = None) -> int:
+    """Run the CLI; return the exit code (0, 1, 2 or 130)."""
+    cmd = typer.main.get_command(app)
+    try:
+        rv = cmd.main(args=argv, prog_name="stare", standalone_mode=False)
+        return rv if isinstance(rv, int) else 0
+    except _EXIT as e:
+        return e.exit_code
+    except _USAGE as e:
+        e.show()
+        return 2
+    except _ABORT:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except StareError as e:
+        if os.environ.get("STARE_DEBUG"):
+            traceback.print_exc()
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except _CLICK as e:
+        e.show()
+        return 1
+    except Exception as e:  # an unexpected failure: still one line, the traceback on request
+        if os.environ.get("STARE_DEBUG"):
+            traceback.print_exc()
+        print(f"error: {type(e).__name__}: {e} (hint: STARE_DEBUG=1 shows the traceback)", file=sys.stderr)
+        return 1
+
+
+def entry() -> None:
+    sys.exit(main())

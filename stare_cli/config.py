@@ -1,0 +1,274 @@
+"""The recipe schema: one typed, documented, constrained and defaulted field for every knob.
+
+A recipe fixes model, data, lengths, batch and sampling; `method` is the axis that changes between
+the rows of a comparison. Loading (includes, overrides, located errors) lives in `recipes.py`.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class _Strict(BaseModel):
+    # Unknown keys are errors (reported with file and closest key by recipes.py).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class Dtype(str, Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class PromptTemplate(str, Enum):
+    paper = "paper"  # problem + instruction as one user turn through the chat template
+    plain = "plain"  # plain completion, for base models without a chat template
+    r1 = "r1"  # DeepSeek-R1 style: think in <think> ... </think>, then answer
+
+
+class ModelConfig(_Strict):
+    path: str = Field(
+        "toy:arith",
+        description="Hugging Face hub id, local directory, or 'toy:<task>' for the built-in CPU toy "
+        "(made and cached on first use).",
+        min_length=1,
+    )
+    dtype: Dtype = Field(Dtype.float32, description="Weights dtype for training and rollout.")
+    chat_template: Literal["auto", "none"] = Field(
+        "auto", description="'auto' uses the tokenizer's chat template when it has one; 'none' never."
+    )
+    trust_remote_code: bool = Field(False, description="Allow model code from the hub. Off for safety.")
+
+
+class DataConfig(_Strict):
+    train: str = Field(
+        "toy:arith",
+        description="Training prompts: hub dataset id, local .jsonl/.parquet file, or 'toy:<task>'.",
+        min_length=1,
+    )
+    split: str = Field("train", description="Split, for hub datasets.")
+    prompt_field: str = Field("problem", description="Field holding the problem text.")
+    answer_field: str = Field("answer", description="Field holding the ground-truth answer.")
+    template: PromptTemplate = Field(PromptTemplate.paper, description="How a problem becomes a prompt.")
+    max_samples: Optional[int] = Field(None, ge=1, description="Use only the first N rows (None: all).")
+    shuffle: bool = Field(True, description="Shuffle prompts each epoch (seeded).")
+
+
+class RolloutConfig(_Strict):
+    n: int = Field(8, ge=1, description="Responses sampled per prompt (the GRPO group size).")
+    temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    top_k: int = Field(-1, ge=-1, description="Top-k sampling; -1 disables it.")
+    max_prompt_tokens: int = Field(1024, ge=1, description="Prompts longer than this are left-truncated.")
+    max_response_tokens: int = Field(3072, ge=1, description="Generation stops here (then 'truncated').")
+    gen_batch_size: int = Field(
+        64, ge=1, description="Prompts drawn per generation batch with dynamic sampling (several may be drawn); "
+        "without it a step draws optim.train_batch_size prompts."
+    )
+    max_gen_batches: int = Field(
+        10, ge=1, description="At most this many generation batches per step when dynamic sampling."
+    )
+    truncated: Literal["zero", "mask"] = Field(
+        "zero", description="A response that never ends: reward 0 ('zero') or left out of the loss ('mask')."
+    )
+    engine: Literal["auto", "hf", "vllm"] = Field(
+        "auto", description="Rollout engine: vLLM when installed and a GPU is present, else HF generate."
+    )
+
+
+class OptimConfig(_Strict):
+    lr: float = Field(1e-6, gt=0, le=1, description="Peak learning rate (AdamW).")
+    schedule: Literal["constant", "cosine", "linear"] = Field("constant", description="LR schedule after warmup.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
+    weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay.")
+    grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
+    train_batch_size: int = Field(64, ge=1, description="Prompts per training step (after dynamic sampling).")
+    mini_batch_size: int = Field(64, ge=1, description="Prompts per optimizer update (PPO mini-batch).")
+    micro_batch_size: int = Field(8, ge=1, description="Responses per forward/backward (accumulation).")
+    ppo_epochs: int = Field(1, ge=1, description="Passes over each training batch.")
+    total_steps: int = Field(500, ge=1, description="Training steps.")
+    seed: int = Field(1, ge=0, description="Seed for data order, sampling and init.")
+    precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Autocast precision for training.")
+
+    @model_validator(mode="after")
+    def _batches(self) -> "OptimConfig":
+        if self.mini_batch_size > self.train_batch_size:
+            raise ValueError(
+                f"optim.mini_batch_size ({self.mini_batch_size}) must be <= optim.train_batch_size "
+                f"({self.train_batch_size})"
+            )
+        if self.train_batch_size % self.mini_batch_size:
+            raise ValueError(
+                f"optim.train_batch_size ({self.train_batch_size}) must be a multiple of "
+                f"optim.mini_batch_size ({self.mini_batch_size})"
+            )
+        return self
+
+
+class StareConfig(_Strict):
+    P: float = Field(0.1, ge=0, le=1, description="Fraction of T+ (and T-) selected by surprisal.")
+    W: float = Field(1.1, gt=0, description="Weight on L+ (high-surprisal positive-advantage tokens).")
+    M: float = Field(0.9, gt=0, description="Weight on L- (variant C2 only).")
+    h_tgt: float = Field(0.3, ge=0, description="Entropy target: the gate is on while batch entropy < h_tgt.")
+    adaptive: bool = Field(False, description="Adapt W and M by alpha * sgn(h_tgt - H) each step.")
+    alpha: float = Field(0.01, ge=0, description="Adaptive step size.")
+    w_max: float = Field(1.5, ge=1, description="Upper bound for adaptive W.")
+    m_min: float = Field(0.5, gt=0, le=1, description="Lower bound for adaptive M.")
+    scope: Literal["batch", "micro_batch"] = Field(
+        "batch",
+        description="Select L+/L- over the whole training batch once ('batch') or per loss call "
+        "('micro_batch', as the official code does).",
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "StareConfig":
+        if self.adaptive and self.W > self.w_max:
+            raise ValueError(f"method.stare.W ({self.W}) exceeds method.stare.w_max ({self.w_max})")
+        if self.adaptive and self.M < self.m_min:
+            raise ValueError(f"method.stare.M ({self.M}) is below method.stare.m_min ({self.m_min})")
+        return self
+
+
+class OverlongConfig(_Strict):
+    enable: bool = Field(False, description="DAPO overlong reward shaping.")
+    buffer: int = Field(512, ge=1, description="L_buf: the penalty ramps over the last buffer tokens.")
+    factor: float = Field(1.0, ge=0, description="Penalty at the maximum length.")
+
+
+class ClipCovConfig(_Strict):
+    ratio: float = Field(0.0002, gt=0, le=1, description="Share of tokens whose gradient is detached (verl default).")
+    cov_lb: float = Field(1.0, description="Lower covariance bound (verl default).")
+    cov_ub: float = Field(5.0, description="Upper covariance bound (verl default).")
+
+
+class KLCovConfig(_Strict):
+    ratio: float = Field(0.002, gt=0, le=1, description="Share of tokens with the KL penalty (published 7B value).")
+    coef: float = Field(1.0, ge=0, description="KL penalty coefficient (published 7B value).")
+
+
+class GSPOConfig(_Strict):
+    clip_low: float = Field(3e-4, gt=0, description="Sequence-ratio clip below 1 (GSPO paper).")
+    clip_high: float = Field(4e-4, gt=0, description="Sequence-ratio clip above 1 (GSPO paper).")
+
+
+class EntroAdvConfig(_Strict):
+    alpha: float = Field(0.4, ge=0, description="Entropy bonus scale (arXiv 2506.14758).")
+    kappa: float = Field(2.0, gt=0, description="The bonus is at most |A| / kappa.")
+
+
+class MethodConfig(_Strict):
+    name: str = Field("grpo-ds", description="Registered method; see `stare methods`.")
+    adv_estimator: Literal["grpo", "drgrpo"] = Field("grpo", description="GRPO (std-normalised) or Dr.GRPO (no std).")
+    adv_eps: float = Field(1e-6, gt=0, description="eps in (r - mean) / (std + eps).")
+    clip_low: float = Field(0.2, gt=0, lt=1, description="PPO clip below 1 (epsilon_low).")
+    clip_high: float = Field(0.28, gt=0, description="PPO clip above 1 (epsilon_high, clip-higher).")
+    dual_clip: Optional[float] = Field(10.0, gt=1, description="Dual-clip c for negative advantages; None: off.")
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
+        "token-mean", description="How token losses become one number."
+    )
+    dynamic_sampling: bool = Field(True, description="Drop groups whose rewards are all equal (DAPO).")
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient (entropy regularisation).")
+    overlong: OverlongConfig = Field(default_factory=OverlongConfig)
+    stare: StareConfig = Field(default_factory=StareConfig)
+    clip_cov: ClipCovConfig = Field(default_factory=ClipCovConfig)
+    kl_cov: KLCovConfig = Field(default_factory=KLCovConfig)
+    gspo: GSPOConfig = Field(default_factory=GSPOConfig)
+    entro_adv: EntroAdvConfig = Field(default_factory=EntroAdvConfig)
+    top_entropy_frac: float = Field(0.2, gt=0, le=1, description="80/20: share of highest-entropy tokens trained.")
+    w_reinforce_lambda: float = Field(0.1, ge=0, description="W-REINFORCE weight of positive samples.")
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        from baselines.registry import check_method
+        from stare_cli.errors import StareError
+
+        try:
+            check_method(v)
+        except StareError as e:
+            raise ValueError(str(e)) from None
+        return v
+
+
+class EvalConfig(_Strict):
+    benchmarks: list[str] = Field(default_factory=list, description="Benchmarks evaluated during training.")
+    n: Optional[int] = Field(None, ge=1, description="Samples per problem (None: each benchmark's paper protocol).")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature (paper: 1.0).")
+    top_p: float = Field(0.7, gt=0, le=1, description="Nucleus mass (paper: 0.7).")
+    max_tokens: Optional[int] = Field(None, ge=1, description="Max new tokens (None: rollout.max_response_tokens).")
+    every: int = Field(0, ge=0, description="Evaluate every k steps (0: only at the end).")
+    limit: Optional[int] = Field(None, ge=1, description="Evaluate only the first K problems of each benchmark.")
+
+
+class EmbeddedBackend(_Strict):
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when available.")
+    threads: int = Field(1, ge=1, description="torch threads; one is steadiest on a busy 2-core machine.")
+
+
+class VerlBackend(_Strict):
+    nnodes: int = Field(1, ge=1, description="Nodes in the Ray cluster.")
+    n_gpus_per_node: int = Field(8, ge=1, description="GPUs per node.")
+    tensor_parallel_size: int = Field(1, ge=1, description="vLLM rollout tensor parallel size.")
+    gpu_memory_utilization: float = Field(0.6, gt=0, le=1, description="vLLM share of GPU memory.")
+    device: Literal["cuda", "cpu"] = Field("cuda", description="cpu: the debug path (see README).")
+
+
+class BackendConfig(_Strict):
+    name: Literal["embedded", "verl"] = Field("embedded", description="Training backend.")
+    embedded: EmbeddedBackend = Field(default_factory=EmbeddedBackend)
+    verl: VerlBackend = Field(default_factory=VerlBackend)
+
+
+class LoggingConfig(_Strict):
+    wandb: Literal["offline", "online", "disabled"] = Field("offline", description="wandb mode.")
+    project: str = Field("stare", description="wandb project.")
+    run_name: Optional[str] = Field(None, description="Run name (default: the run directory name).")
+    reflection_words: list[str] = Field(
+        default_factory=lambda: ["wait", "verify", "check", "recheck", "however", "alternatively"],
+        description="Words counted for the reflection-word rate.",
+    )
+    samples_every: int = Field(10, ge=0, description="Save rollout samples every k steps (0: never).")
+
+
+class CheckpointConfig(_Strict):
+    every: int = Field(50, ge=0, description="Save every k steps (0: only at the end).")
+    keep_last: int = Field(2, ge=1, description="Checkpoints kept.")
+
+
+class Recipe(_Strict):
+    name: str = Field("custom", description="Recipe name (set from the file path when loaded).")
+    description: str = Field("", description="One line on what this recipe is.")
+    paper: Optional[str] = Field(None, description="Paper scenario for `stare compare --paper`, e.g. short-cot/qwen2.5-math-7b.")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    method: MethodConfig = Field(default_factory=MethodConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    backend: BackendConfig = Field(default_factory=BackendConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+
+    @model_validator(mode="after")
+    def _cross(self) -> "Recipe":
+        if self.method.dynamic_sampling and self.rollout.gen_batch_size < self.optim.train_batch_size:
+            # Dynamic sampling can only fill a train batch from draws at least as large.
+            raise ValueError(
+                f"rollout.gen_batch_size ({self.rollout.gen_batch_size}) must be >= "
+                f"optim.train_batch_size ({self.optim.train_batch_size}) when method.dynamic_sampling is on"
+            )
+        n_resp = self.optim.mini_batch_size * self.rollout.n
+        if n_resp % self.optim.micro_batch_size:
+            raise ValueError(
+                f"optim.micro_batch_size ({self.optim.micro_batch_size}) must divide the responses of a "
+                f"mini-batch (optim.mini_batch_size x rollout.n = {n_resp})"
+            )
+        if self.method.overlong.enable and self.method.overlong.buffer > self.rollout.max_response_tokens:
+            raise ValueError(
+                f"method.overlong.buffer ({self.method.overlong.buffer}) exceeds "
+                f"rollout.max_response_tokens ({self.rollout.max_response_tokens})"
+            )
+        return self

@@ -1,0 +1,194 @@
+"""The foundation: CLI surface, recipe schema, includes, overrides and located errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO
+
+BROKEN = REPO / "tests" / "fixtures" / "broken"
+SCENARIOS = [
+    "short-cot/qwen2.5-math-7b",
+    "short-cot/qwen2.5-14b-instruct",
+    "short-cot/qwen2.5-32b",
+    "long-cot/r1-distill-qwen-1.5b",
+    "long-cot/qwen3-8b",
+    "tool-use/qwen2.5-7b",
+]
+
+
+def test_version_and_help(cli):
+    code, out, _ = cli("--version")
+    assert code == 0 and out.startswith("stare ")
+    code, out, _ = cli("--help")
+    assert code == 0
+    for cmd in ("train", "eval", "compare", "methods", "recipes", "demo"):
+        assert cmd in out
+
+
+def test_no_args_shows_help_and_usage_error_exits_2(cli):
+    code, out, err = cli()
+    assert "Usage" in out + err
+    code, _, err = cli("train", "--no-such-flag")
+    assert code == 2
+
+
+def test_recipes_list_shows_every_scenario(cli):
+    code, out, _ = cli("recipes", "list", "--json")
+    assert code == 0
+    names = {r["name"] for r in json.loads(out)}
+    assert set(SCENARIOS) <= names
+    assert any(n.startswith("tiny/") for n in names)
+    assert not any(n.startswith("_") for n in names)  # bases are not listed
+
+
+def test_validate_passes_on_every_recipe_under_every_method(cli):
+    code, out, err = cli("recipes", "validate", "--all-methods")
+    assert code == 0, err
+    assert out.count("ok ") == len(out.strip().splitlines())
+    for s in SCENARIOS:
+        assert f"ok  {s}" in out
+
+
+def test_show_applies_method_and_override(cli):
+    code, out, err = cli(
+        "recipes", "show", "short-cot/qwen2.5-math-7b", "--method", "stare-o1", "-o", "optim.lr=2e-6"
+    )
+    assert code == 0, err
+    cfg = yaml.safe_load(out)
+    assert cfg["optim"]["lr"] == pytest.approx(2e-6)
+    assert cfg["method"]["name"] == "stare-o1"
+    # The published recipe, unchanged by the override.
+    assert cfg["rollout"]["gen_batch_size"] == 192 and cfg["optim"]["train_batch_size"] == 64
+    assert cfg["method"]["stare"]["W"] == pytest.approx(1.1)
+
+
+def test_same_key_path_in_file_and_override(cli, tmp_path):
+    f = tmp_path / "r.yaml"
+    f.write_text("include: %s\nmethod:\n  stare:\n    W: 1.3\n" % (REPO / "recipes/tiny/arith.yaml"))
+    code, out, _ = cli("recipes", "show", str(f), "--json")
+    assert json.loads(out)["method"]["stare"]["W"] == pytest.approx(1.3)
+    code, out, _ = cli("recipes", "show", "tiny/arith", "-o", "method.stare.W=1.3", "--json")
+    assert json.loads(out)["method"]["stare"]["W"] == pytest.approx(1.3)
+
+
+def test_shown_yaml_round_trips(cli, tmp_path):
+    code, out, _ = cli("recipes", "show", "short-cot/qwen2.5-32b", "--method", "dapo")
+    f = tmp_path / "resolved.yaml"
+    f.write_text(out)
+    code2, out2, err = cli("recipes", "show", str(f))
+    assert code2 == 0, err
+    a, b = yaml.safe_load(out), yaml.safe_load(out2)
+    a.pop("name"), b.pop("name")
+    assert a == b
+
+
+def test_method_is_the_only_axis(cli):
+    """Switching method changes only method.* keys (the recipe fixes everything else)."""
+    shown = {}
+    for m in ("grpo-ds", "stare-o1", "dapo", "gspo"):
+        _, out, _ = cli("recipes", "show", "short-cot/qwen2.5-math-7b", "--method", m, "--json")
+        shown[m] = json.loads(out)
+    for m, cfg in shown.items():
+        for section in ("model", "data", "rollout", "optim", "eval", "backend"):
+            assert cfg[section] == shown["grpo-ds"][section], (m, section)
+    assert shown["dapo"]["method"]["overlong"]["enable"] is True
+    assert shown["grpo-ds"]["method"]["overlong"]["enable"] is False
+    assert shown["gspo"]["method"]["loss_agg"] == "seq-mean-token-mean"
+
+
+def test_override_of_unknown_key_is_located(cli):
+    code, _, err = cli("recipes", "show", "tiny/arith", "-o", "optim.lrr=1")
+    assert code == 1
+    assert err.strip() == "error: -o optim.lrr=1: unknown key 'optim.lrr' (did you mean 'optim.lr'?)"
+
+
+BROKEN_CASES = {
+    "misspelt_key.yaml": ("misspelt_key.yaml:3:", "unknown key 'optim.lrr' (did you mean 'optim.lr'?)"),
+    "unknown_section.yaml": ("unknown_section.yaml:2:", "unknown key 'optimizer' (did you mean 'optim'?)"),
+    "wrong_type.yaml": ("wrong_type.yaml:3:", "rollout.n: Input should be a valid integer"),
+    "negative_lr.yaml": ("negative_lr.yaml:3:", "optim.lr: Input should be greater than 0 (got -1e-06)"),
+    "top_p_above_one.yaml": ("top_p_above_one.yaml:3:", "rollout.top_p: Input should be less than or equal to 1"),
+    "unknown_method.yaml": ("unknown_method.yaml:3:", "unknown method 'stare-o3' (did you mean 'stare-o1'?)"),
+    "missing_include.yaml": ("missing_include.yaml:1:", "included file 'nope.yaml' not found"),
+    "mini_above_train.yaml": ("mini_above_train.yaml:", "optim.mini_batch_size (32) must be <= optim.train_batch_size (16)"),
+    "bad_yaml.yaml": ("bad_yaml.yaml:3:", "not valid YAML"),
+    "not_a_mapping.yaml": ("not_a_mapping.yaml:", "a recipe must be a mapping of keys, not list"),
+    "cycle_a.yaml": ("cycle_a.yaml:", "include cycle: cycle_a.yaml -> cycle_b.yaml -> cycle_a.yaml"),
+    "bad_enum.yaml": ("bad_enum.yaml:3:", "data.template: Input should be 'paper', 'plain' or 'r1'"),
+    "stare_p_above_one.yaml": ("stare_p_above_one.yaml:4:", "method.stare.P: Input should be less than or equal to 1"),
+    "micro_not_dividing.yaml": ("micro_not_dividing.yaml:3:", "optim.micro_batch_size (7) must divide"),
+    "gen_below_train.yaml": ("gen_below_train.yaml:3:", "rollout.gen_batch_size (8) must be >= optim.train_batch_size (16)"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN_CASES))
+def test_broken_recipe_fails_with_one_located_line(cli, name):
+    where, what = BROKEN_CASES[name]
+    code, out, err = cli("recipes", "validate", str(BROKEN / name))
+    assert code == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: ") and where in lines[0] and what in lines[0], lines[0]
+    assert out == ""
+
+
+def test_every_fixture_is_covered():
+    assert {p.name for p in BROKEN.glob("*.yaml")} - {"cycle_b.yaml"} == set(BROKEN_CASES)
+
+
+def test_unknown_recipe_and_method(cli):
+    code, _, err = cli("recipes", "show", "tiny/arithh")
+    assert code == 1 and "did you mean 'tiny/arith'" in err
+    code, _, err = cli("recipes", "show", "tiny/arith", "--method", "grpo-dss")
+    assert code == 1 and "did you mean 'grpo-ds'" in err
+
+
+def test_methods_lists_registry(cli):
+    code, out, _ = cli("methods", "--json")
+    names = [m["name"] for m in json.loads(out)]
+    assert names == [
+        "grpo", "grpo-ds", "dapo", "entropy-reg", "clip-cov", "kl-cov", "80-20", "entro-adv", "gspo",
+        "w-reinforce", "stare-o1", "stare-c2",
+    ]
+
+
+def test_unbuilt_commands_fail_honestly(cli, tmp_path):
+    code, _, err = cli("train", "--recipe", "tiny/arith", "--backend", "verl")
+    assert code == 1 and "not implemented yet" in err
+
+
+def test_debug_env_shows_traceback():
+    env = {"STARE_DEBUG": "1", "PATH": "/usr/bin:/bin"}
+    p = subprocess.run(
+        [sys.executable, "-m", "stare_cli", "recipes", "show", "nope/nope"], capture_output=True, text=True, env=env, cwd=REPO
+    )
+    assert p.returncode == 1 and "Traceback" in p.stderr and "unknown recipe" in p.stderr
+
+
+def test_plain_install_ships_recipes(tmp_path):
+    """A non-editable install (wheel contents) finds and validates its recipes away from the source tree."""
+    target = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(target), str(REPO)],
+        check=True, capture_output=True, timeout=600,
+    )
+    code = (
+        "import sys; from stare_cli.recipes import recipes_root; from stare_cli.cli import main;"
+        "print(recipes_root()); sys.exit(main(['recipes', 'validate']))"
+    )
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    p = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=work,
+        env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"},
+    )
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines()[0].startswith(str(target))
+    assert "ok  short-cot/qwen2.5-math-7b" in p.stdout
