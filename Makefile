@@ -5,23 +5,21 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
-EXTRAS ?= dev
 
-.PHONY: venv demo test clean
+.PHONY: demo test clean
 
-$(BIN)/stare: pyproject.toml
-	$(PY) -m venv $(VENV)
+# One stamp per set of extras: `make demo` needs the core only, `make test` also verl (parity tests).
+$(VENV)/.stamp-%: pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	@if command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install -q "torch>=2.4"; \
 	 else $(BIN)/pip install -q "$(TORCH)"; fi
-	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
-	@touch $(BIN)/stare
+	$(BIN)/pip install -q -e ".[$*]"
+	@touch $@
 
-venv: $(BIN)/stare
-
-demo: venv
+demo: $(VENV)/.stamp-dev
 	OMP_NUM_THREADS=1 $(BIN)/stare demo
 
-test: venv
+test: $(VENV)/.stamp-dev,verl
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
 
 clean:

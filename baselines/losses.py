@@ -27,6 +27,30 @@ def _ratio(log_prob: Tensor, old_log_prob: Tensor) -> tuple[Tensor, Tensor]:
     return torch.exp(neg_kl), neg_kl
 
 
+def ppo_clip_token_losses(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    adv: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    dual_clip: Optional[float] = 10.0,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-token PPO-clip losses [B, T] (before aggregation) and stats; see ppo_clip_loss."""
+    ratio, neg_kl = _ratio(log_prob, old_log_prob)
+    pg1 = -adv * ratio
+    pg2 = -adv * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    clipped = torch.maximum(pg1, pg2)
+    stats = {"clip_frac": masked_mean(torch.gt(pg2, pg1).float(), mask), "ppo_kl": masked_mean(-neg_kl, mask)}
+    if dual_clip is None:
+        stats["clip_frac_lower"] = torch.zeros((), device=adv.device)
+        return clipped, stats
+    pg3 = -adv * dual_clip
+    stats["clip_frac_lower"] = masked_mean(torch.gt(clipped, pg3).float() * (adv < 0).float(), mask)
+    return torch.where(adv < 0, torch.minimum(pg3, clipped), clipped), stats
+
+
 def ppo_clip_loss(
     log_prob: Tensor,
     old_log_prob: Tensor,
@@ -50,20 +74,31 @@ def ppo_clip_loss(
     Returns:
         loss: scalar; stats: clip_frac, clip_frac_lower (dual-clip active), ppo_kl.
     """
-    ratio, neg_kl = _ratio(log_prob, old_log_prob)
+    token_loss, stats = ppo_clip_token_losses(
+        log_prob, old_log_prob, adv, mask, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip
+    )
+    return agg_loss(token_loss, mask, agg), stats
+
+
+def gspo_token_losses(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    adv: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-token GSPO losses [B, T] and stats; see gspo_loss."""
+    neg_kl = log_prob - old_log_prob
+    m = mask.to(neg_kl.dtype)
+    seq_kl = (neg_kl * m).sum(-1) / m.sum(-1).clamp(min=1)
+    log_ratio = log_prob - log_prob.detach() + seq_kl.detach().unsqueeze(-1)
+    ratio = torch.exp(torch.clamp(log_ratio, max=10.0))
     pg1 = -adv * ratio
     pg2 = -adv * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
-    clipped = torch.maximum(pg1, pg2)
     stats = {"clip_frac": masked_mean(torch.gt(pg2, pg1).float(), mask), "ppo_kl": masked_mean(-neg_kl, mask)}
-    if dual_clip is not None:
-        pg3 = -adv * dual_clip
-        lower = torch.minimum(pg3, clipped)
-        stats["clip_frac_lower"] = masked_mean(torch.gt(clipped, pg3).float() * (adv < 0).float(), mask)
-        token_loss = torch.where(adv < 0, lower, clipped)
-    else:
-        stats["clip_frac_lower"] = torch.zeros((), device=adv.device)
-        token_loss = clipped
-    return agg_loss(token_loss, mask, agg), stats
+    return torch.maximum(pg1, pg2), stats
 
 
 def gspo_loss(
@@ -87,15 +122,7 @@ def gspo_loss(
     Returns:
         loss; stats: clip_frac, ppo_kl.
     """
-    neg_kl = log_prob - old_log_prob
-    m = mask.to(neg_kl.dtype)
-    seq_kl = (neg_kl * m).sum(-1) / m.sum(-1).clamp(min=1)
-    log_ratio = log_prob - log_prob.detach() + seq_kl.detach().unsqueeze(-1)
-    ratio = torch.exp(torch.clamp(log_ratio, max=10.0))
-    pg1 = -adv * ratio
-    pg2 = -adv * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
-    token_loss = torch.maximum(pg1, pg2)
-    stats = {"clip_frac": masked_mean(torch.gt(pg2, pg1).float(), mask), "ppo_kl": masked_mean(-neg_kl, mask)}
+    token_loss, stats = gspo_token_losses(log_prob, old_log_prob, adv, mask, clip_low=clip_low, clip_high=clip_high)
     return agg_loss(token_loss, mask, agg), stats
 
 
