@@ -27,6 +27,7 @@ class PromptTemplate(str, Enum):
     paper = "paper"  # problem + instruction as one user turn through the chat template
     plain = "plain"  # plain completion, for base models without a chat template
     r1 = "r1"  # DeepSeek-R1 style: think in <think> ... </think>, then answer
+    raw = "raw"  # the problem text and a newline, nothing added (the CPU toy)
 
 
 class ModelConfig(_Strict):

@@ -1,0 +1,150 @@
+"""Generation engines behind one interface, for rollouts and evaluation.
+
+- HFEngine: transformers generate (batched, left padding, KV cache); the CPU fallback. Sampling
+  settings are passed explicitly so a model's generation_config.json (e.g. a repetition penalty)
+  never changes the protocol silently.
+- VLLMEngine: vLLM's offline engine (imported lazily; tensor parallel; n samples per prompt in
+  one request). Not exercised here: vLLM cannot be installed without a GPU.
+- OpenAIEngine: an OpenAI-compatible completions endpoint (e.g. a running `vllm serve`).
+
+`generate(prompts, n, ...)` returns, per prompt, n `Sample`s with token ids (when known), text and
+whether the response ended by itself (EOS/stop) or was cut at max_new_tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+
+@dataclass
+class Sample:
+    text: str
+    response_ids: list[int] = field(default_factory=list)
+    prompt_ids: list[int] = field(default_factory=list)
+    finished: bool = True  # False: cut at max_new_tokens (truncated)
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 512
+    seed: int = 0
+
+
+class HFEngine:
+    """Batched sampling with transformers' generate and left padding."""
+
+    name = "hf"
+
+    def __init__(self, model, tokenizer, batch_size: int = 64, max_prompt_tokens: Optional[int] = None):
+        self.model = model
+        self.tok = tokenizer
+        self.batch_size = batch_size
+        self.max_prompt_tokens = max_prompt_tokens
+
+    def encode(self, prompts: Sequence[str]) -> list[list[int]]:
+        ids = [self.tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        if self.max_prompt_tokens:
+            ids = [x[-self.max_prompt_tokens :] for x in ids]  # keep the end, where the question is
+        return ids
+
+    def generate_ids(self, prompt_ids: Sequence[list[int]], sp: SamplingParams) -> list[list[Sample]]:
+        import torch
+        from transformers import GenerationConfig
+
+        eos = self.tok.eos_token_id
+        pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else eos
+        gen_cfg = GenerationConfig(
+            do_sample=True, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k if sp.top_k > 0 else 0,
+            max_new_tokens=sp.max_new_tokens, eos_token_id=eos, pad_token_id=pad, repetition_penalty=1.0,
+            num_return_sequences=1,
+        )
+        flat = [(i, ids) for i, ids in enumerate(prompt_ids) for _ in range(sp.n)]
+        out: list[list[Sample]] = [[] for _ in prompt_ids]
+        device = next(self.model.parameters()).device
+        was_training = self.model.training
+        self.model.eval()
+        torch.manual_seed(sp.seed)  # generate samples from the global RNG: one seed per call
+        with torch.no_grad():
+            for start in range(0, len(flat), self.batch_size):
+                chunk = flat[start : start + self.batch_size]
+                L = max(len(ids) for _, ids in chunk)
+                input_ids = torch.tensor([[pad] * (L - len(ids)) + ids for _, ids in chunk], device=device)
+                attn = torch.tensor([[0] * (L - len(ids)) + [1] * len(ids) for _, ids in chunk], device=device)
+                gen = self.model.generate(input_ids=input_ids, attention_mask=attn, generation_config=gen_cfg)
+                for (i, ids), row in zip(chunk, gen[:, L:].tolist()):
+                    finished = eos in row
+                    resp = row[: row.index(eos) + 1] if finished else row
+                    text = self.tok.decode(resp, skip_special_tokens=True)
+                    out[i].append(Sample(text=text, response_ids=resp, prompt_ids=list(ids), finished=finished))
+        if was_training:
+            self.model.train()
+        return out
+
+    def generate(self, prompts: Sequence[str], sp: SamplingParams) -> list[list[Sample]]:
+        return self.generate_ids(self.encode(prompts), sp)
+
+
+class VLLMEngine:
+    """vLLM's offline engine. Imported lazily; needs a GPU."""
+
+    name = "vllm"
+
+    def __init__(self, model_path: str, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.6,
+                 dtype: str = "bfloat16", max_model_len: Optional[int] = None, trust_remote_code: bool = False):
+        try:
+            from vllm import LLM
+        except ImportError as e:  # pragma: no cover - needs the vllm extra and a GPU
+            from stare_cli.errors import StareError
+
+            raise StareError("vLLM is not installed", hint="pip install 'stare[vllm]' on a GPU machine, or --engine hf") from e
+        self.llm = LLM(model=model_path, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
+                       gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+                       trust_remote_code=trust_remote_code)
+        self.tok = self.llm.get_tokenizer()
+
+    def generate(self, prompts: Sequence[str], sp: SamplingParams) -> list[list[Sample]]:  # pragma: no cover
+        from vllm import SamplingParams as VSP
+
+        params = VSP(n=sp.n, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, max_tokens=sp.max_new_tokens,
+                     seed=sp.seed)
+        results = self.llm.generate(list(prompts), params, use_tqdm=False)
+        return [
+            [Sample(text=o.text, response_ids=list(o.token_ids), prompt_ids=list(r.prompt_token_ids),
+                    finished=o.finish_reason == "stop") for o in r.outputs]
+            for r in results
+        ]
+
+
+class OpenAIEngine:
+    """An OpenAI-compatible /v1/completions endpoint (e.g. `vllm serve MODEL`)."""
+
+    name = "openai"
+
+    def __init__(self, base_url: str, model: str, api_key: Optional[str] = None, timeout: float = 600.0):
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.api_key = api_key
+        self.timeout = timeout
+
+    def generate(self, prompts: Sequence[str], sp: SamplingParams) -> list[list[Sample]]:
+        import json
+        import urllib.request
+
+        out = []
+        for i, prompt in enumerate(prompts):
+            body = {"model": self.model, "prompt": prompt, "n": sp.n, "temperature": sp.temperature, "top_p": sp.top_p,
+                    "max_tokens": sp.max_new_tokens, "seed": sp.seed + i}
+            if sp.top_k > 0:
+                body["top_k"] = sp.top_k
+            req = urllib.request.Request(f"{self.base_url}/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json",
+                                                  **({"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})})
+            with urllib.request.urlopen(req, timeout=self.timeout) as r:
+                data = json.loads(r.read())
+            out.append([Sample(text=c["text"], finished=c.get("finish_reason") == "stop") for c in data["choices"]])
+        return out

@@ -1,0 +1,47 @@
+"""Prompt templates: how a problem becomes the text a model continues.
+
+- paper: the problem plus "Please reason step by step, and put your final answer within \\boxed{}."
+  as one user turn through the model's chat template (plain text when it has none).
+- plain: the same text without a chat template, for base models.
+- r1: DeepSeek-R1 style; the chat template's user turn, with the assistant turn opened by
+  "<think>\\n" (R1-Zero's "User: ... Assistant: <think>" text when there is no chat template).
+- raw: the problem and a newline (the CPU toy, whose tokenizer knows only its own words).
+The benchmark files already end with the instruction sentence: it is never added twice.
+"""
+
+from __future__ import annotations
+
+INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+TEMPLATES = ("paper", "plain", "r1", "raw")
+R1_SYSTEM = (
+    "A conversation between User and Assistant. The user asks a question, and the Assistant solves it. "
+    "The assistant first thinks about the reasoning process in the mind and then provides the user with "
+    "the answer."
+)
+
+
+def with_instruction(problem: str) -> str:
+    p = problem.rstrip()
+    return p if p.endswith(INSTRUCTION) else f"{p}\n{INSTRUCTION}"
+
+
+def has_chat_template(tokenizer, use_chat_template: bool = True) -> bool:
+    return use_chat_template and bool(getattr(tokenizer, "chat_template", None))
+
+
+def build_prompt(problem: str, template: str, tokenizer=None, use_chat_template: bool = True) -> str:
+    """The prompt text for one problem (special tokens of the chat template included)."""
+    if template == "raw":
+        return f"{problem}\n"
+    text = with_instruction(problem)
+    chat = tokenizer is not None and has_chat_template(tokenizer, use_chat_template)
+    if template == "plain" or (template == "paper" and not chat):
+        return f"{text}\n"
+    if template == "paper":
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    if template == "r1":
+        if not chat:
+            return f"{R1_SYSTEM}\nUser: {text}\nAssistant: <think>\n"
+        s = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+        return s if s.rstrip().endswith("<think>") else s + "<think>\n"
+    raise ValueError(f"unknown prompt template '{template}'; valid: {', '.join(TEMPLATES)}")

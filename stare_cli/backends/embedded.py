@@ -1,0 +1,558 @@
+"""The embedded backend: one process, PyTorch + transformers, CPU or one CUDA GPU.
+
+`train()` is one flat loop that reads top to bottom; each step:
+  1. draw a generation batch of prompts, roll out n responses each (HF generate; vLLM when asked)
+  2. reward with the evaluation grader (math-verify on the final \\boxed{}), method shaping (overlong)
+  3. group advantages; dynamic sampling draws more generation batches until the train batch fills
+  4. one no-grad forward: old log-probs and token entropies
+  5. STARE: controller update from the batch-mean entropy, then token weights (A_eff = w * A)
+  6. PPO updates over mini-batches with micro-batch accumulation, the method's loss, grad clip, LR
+  7. metrics, samples, evaluation and checkpoints
+
+Determinism: sampling is seeded per (seed, step, generation batch), data order by (seed, epoch),
+so a resumed run repeats an uninterrupted one exactly on CPU. Checkpoints are written to a
+temporary directory and renamed; `checkpoints/latest` is a symlink swapped atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from stare_cli.config import Recipe
+from stare_cli.errors import StareError
+from stare_cli.runs import append_jsonl, atomic_write_text, new_run_dir, read_jsonl, write_run_meta
+
+RUN_STATE = "state.json"
+
+
+# ------------------------------------------------------------------------------------------ data
+def load_prompts(cfg: Recipe) -> list[dict]:
+    """Training rows {'problem', 'answer'} from a toy task, a local file or a hub dataset."""
+    src = cfg.data.train
+    if src.startswith("toy:"):
+        from stare_cli.toy import problems
+
+        rows = problems(cfg.data.max_samples or 20000, seed=1000 + 0)
+        return [{"problem": r["problem"], "answer": r["answer"]} for r in rows]
+    path = Path(src)
+    try:
+        import datasets
+
+        if path.suffix in (".jsonl", ".json", ".parquet"):
+            if not path.exists():
+                raise StareError(f"data.train: file '{src}' not found")
+            ds = datasets.load_dataset("parquet" if path.suffix == ".parquet" else "json", data_files=str(path), split="train")
+        else:
+            ds = datasets.load_dataset(src, split=cfg.data.split)
+    except StareError:
+        raise
+    except Exception as e:
+        raise StareError(
+            f"data.train: cannot load '{src}' ({type(e).__name__}: {str(e)[:200]})",
+            hint="point data.train at a local .jsonl/.parquet file when the hub cannot be reached",
+        ) from None
+    rows = []
+    for r in ds:
+        if cfg.data.prompt_field not in r or cfg.data.answer_field not in r:
+            raise StareError(
+                f"data.train: rows of '{src}' lack '{cfg.data.prompt_field}' or '{cfg.data.answer_field}'",
+                hint=f"set data.prompt_field / data.answer_field; fields here: {', '.join(r)}",
+            )
+        prompt = r[cfg.data.prompt_field]
+        if isinstance(prompt, list):  # chat-format rows: take the user turn
+            prompt = next((m["content"] for m in prompt if m.get("role") == "user"), str(prompt))
+        rows.append({"problem": str(prompt), "answer": str(r[cfg.data.answer_field])})
+        if cfg.data.max_samples and len(rows) >= cfg.data.max_samples:
+            break
+    if not rows:
+        raise StareError(f"data.train: '{src}' has no rows")
+    return rows
+
+
+def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
+    order = list(range(n))
+    if shuffle:
+        random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    return order
+
+
+def take_prompts(rows: list[dict], cursor: int, k: int, seed: int, shuffle: bool) -> tuple[list[dict], int]:
+    """k rows starting at global position `cursor` (epochs are seeded permutations)."""
+    out = []
+    for pos in range(cursor, cursor + k):
+        epoch, i = divmod(pos, len(rows))
+        out.append(rows[epoch_order(len(rows), seed, epoch, shuffle)[i]])
+    return out, cursor + k
+
+
+def resolve_model_path(path: str, threads: int) -> str:
+    if path.startswith("toy:"):
+        from stare_cli.toy import ensure_toy_model
+
+        return str(ensure_toy_model(path.split(":", 1)[1], threads=threads))
+    return path
+
+
+# ------------------------------------------------------------------------------------ tensor ops
+def token_logprobs_entropy(model, input_ids, attention_mask, resp_start: int, temperature: float, need_entropy: bool = True):
+    """log pi(o_t) and entropy H_t at the response positions: [B, T_resp] each.
+
+    input_ids: [B, P + T_resp], prompts left-padded to P = resp_start, responses right-padded.
+    Logits are divided by the sampling temperature, as the rollout distribution (verl does too).
+    """
+    import torch
+
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+    logits = logits[:, resp_start - 1 : -1].float() / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
+    targets = input_ids[:, resp_start:]
+    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    ent = -(logp_all.exp() * logp_all).sum(-1) if need_entropy else None
+    return logp, ent
+
+
+def pack(samples: list, pad_id: int, device) -> dict:
+    """Tensors for a list of rollout samples: prompts left-padded, responses right-padded."""
+    import torch
+
+    P = max(len(s.prompt_ids) for s in samples)
+    T = max(1, max(len(s.response_ids) for s in samples))
+    ids, attn, rmask = [], [], []
+    for s in samples:
+        p, r = s.prompt_ids, s.response_ids
+        ids.append([pad_id] * (P - len(p)) + p + r + [pad_id] * (T - len(r)))
+        attn.append([0] * (P - len(p)) + [1] * (len(p) + len(r)) + [0] * (T - len(r)))
+        rmask.append([1] * len(r) + [0] * (T - len(r)))
+    return {
+        "input_ids": torch.tensor(ids, device=device),
+        "attention_mask": torch.tensor(attn, device=device),
+        "response_mask": torch.tensor(rmask, dtype=torch.float32, device=device),
+        "resp_start": P,
+    }
+
+
+def reflection_rate(texts: list[str], words: list[str]) -> float:
+    """Reflection words per 1,000 words of response text."""
+    import re
+
+    if not words:
+        return 0.0
+    pat = re.compile(r"\b(" + "|".join(re.escape(w) for w in words) + r")\b", re.IGNORECASE)
+    n_words = sum(len(t.split()) for t in texts)
+    hits = sum(len(pat.findall(t)) for t in texts)
+    return 1000.0 * hits / max(n_words, 1)
+
+
+# ----------------------------------------------------------------------------------- checkpoints
+def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, scheduler, state: dict, keep_last: int) -> Path:
+    import torch
+
+    ckpt_root = run_dir / "checkpoints"
+    final = ckpt_root / f"step-{step:06d}"
+    tmp = ckpt_root / f".tmp-step-{step:06d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "torch_rng": torch.get_rng_state()}, tmp / "trainer.pt")
+    (tmp / RUN_STATE).write_text(json.dumps(state, indent=2))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    link_tmp = ckpt_root / ".latest.tmp"
+    link_tmp.unlink(missing_ok=True)
+    link_tmp.symlink_to(final.name)
+    os.replace(link_tmp, ckpt_root / "latest")
+    steps = sorted(p for p in ckpt_root.glob("step-*") if p.is_dir())
+    for old in steps[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def resume_recipe(run_dir: Path, overrides: list[str]) -> Recipe:
+    """The recipe a run was started with (its config.yaml), plus any new overrides."""
+    from stare_cli.recipes import load_recipe
+
+    cfg_file = Path(run_dir) / "config.yaml"
+    if not cfg_file.exists():
+        raise StareError(f"--resume: '{run_dir}' is not a run directory (no config.yaml)")
+    r = load_recipe(str(cfg_file), None, overrides)
+    import yaml
+
+    name = yaml.safe_load(cfg_file.read_text()).get("name", r.name)
+    return r.model_copy(update={"name": name})
+
+
+# ---------------------------------------------------------------------------------------- logger
+class StepLog:
+    """Rich live progress on a terminal; one plain line per step otherwise (stderr)."""
+
+    KEYS = ("reward", "entropy", "len/mean", "stare/gate", "time/step")
+
+    def __init__(self, total: int, start: int):
+        self.total = total
+        self.tty = sys.stderr.isatty()
+        self.progress = None
+        if self.tty:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                                     TextColumn("{task.description}"), transient=False)
+            self.progress.start()
+            self.task = self.progress.add_task("", total=total, completed=start)
+
+    def log(self, step: int, m: dict) -> None:
+        desc = "  ".join(f"{k} {m[k]:.3g}" for k in self.KEYS if k in m)
+        if self.progress:
+            self.progress.update(self.task, completed=step, description=desc)
+        else:
+            print(f"step {step}/{self.total}  {desc}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.progress:
+            self.progress.stop()
+
+
+# ----------------------------------------------------------------------------------------- train
+def train(cfg: Recipe, out_root: Path | str = "runs", resume_dir: Optional[Path] = None) -> Path:
+    """Train `cfg.method` under `cfg` with the embedded backend. Returns the run directory."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from baselines import Agg, StareController, dynamic_sampling_keep, grpo_advantage, overlong_penalty
+    from baselines import quadrant_stats, top_entropy_mask, w_reinforce_advantage
+    from baselines.registry import check_method, policy_loss
+    from benchmarks.engines import HFEngine, SamplingParams
+    from benchmarks.grading import Grader
+    from benchmarks.templates import build_prompt
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # our own progress display owns the terminal
+    hf_logging.set_verbosity_error()
+    spec = check_method(cfg.method.name)
+    mcfg, R, O = cfg.method, cfg.rollout, cfg.optim
+    torch.set_num_threads(cfg.backend.embedded.threads)
+    dev_name = cfg.backend.embedded.device
+    if dev_name == "auto":
+        dev_name = "cuda" if torch.cuda.is_available() else "cpu"
+    if dev_name == "cuda" and not torch.cuda.is_available():
+        raise StareError("backend.embedded.device is 'cuda' but no CUDA device is visible", hint="use device: cpu")
+    device = torch.device(dev_name)
+    if O.precision == "fp16" and device.type != "cuda":
+        raise StareError("optim.precision fp16 needs a CUDA device", hint="-o optim.precision=fp32 (or bf16) on CPU")
+    if R.engine == "vllm":
+        raise StareError("rollout.engine vllm is not wired into the embedded trainer yet", hint="use rollout.engine=hf")
+
+    # ---- run directory, model, optimizer
+    run_dir = Path(resume_dir) if resume_dir else new_run_dir(cfg, out_root)
+    latest = run_dir / "checkpoints" / "latest"
+    resuming = resume_dir is not None and latest.exists()
+    model_path = str(latest.resolve()) if resuming else resolve_model_path(cfg.model.path, cfg.backend.embedded.threads)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.model.dtype.value]
+    tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    torch.manual_seed(O.seed)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code,
+                                                 use_safetensors=True).to(device)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=O.lr, weight_decay=O.weight_decay, betas=(0.9, 0.999))
+
+    def lr_factor(step: int) -> float:
+        if step < O.warmup_steps:
+            return (step + 1) / O.warmup_steps
+        frac = (step - O.warmup_steps) / max(1, O.total_steps - O.warmup_steps)
+        return {"constant": 1.0, "cosine": 0.5 * (1 + math.cos(math.pi * frac)), "linear": 1.0 - frac}[O.schedule]
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
+    controller = StareController(
+        variant=spec.stare or "o1", P=mcfg.stare.P, W=mcfg.stare.W, M=mcfg.stare.M, h_tgt=mcfg.stare.h_tgt,
+        adaptive=mcfg.stare.adaptive, alpha=mcfg.stare.alpha, w_max=mcfg.stare.w_max, m_min=mcfg.stare.m_min,
+    )
+    step, cursor = 0, 0
+    if resuming:
+        blob = torch.load(latest / "trainer.pt", weights_only=True)  # our own file; tensors only
+        opt.load_state_dict(blob["optimizer"])
+        sched.load_state_dict(blob["scheduler"])
+        torch.set_rng_state(blob["torch_rng"])
+        st = json.loads((latest / RUN_STATE).read_text())
+        step, cursor = st["step"], st["cursor"]
+        controller.load_state_dict(st["controller"])
+        # Drop metrics written after the checkpoint (a crash mid-way): the resumed run redoes them.
+        rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("step", 0) <= step]
+        atomic_write_text(run_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    else:
+        write_run_meta(run_dir, cfg, {"backend": "embedded", "device": str(device), "model_path": model_path})
+
+    rows = load_prompts(cfg)
+    use_chat = cfg.model.chat_template == "auto"
+    engine = HFEngine(model, tok, batch_size=max(1, R.gen_batch_size * R.n), max_prompt_tokens=R.max_prompt_tokens)
+    grader = Grader(workers=0, boxed_only=True)  # rewards: the final \boxed{} answer only
+    eval_grader = Grader(workers=0)  # evaluation: with the fallbacks users expect (stare eval's grader)
+    eval_rows = None
+    if cfg.eval.benchmarks:
+        eval_rows = {b: _eval_rows(b, cfg) for b in cfg.eval.benchmarks}
+    wb = _wandb_init(cfg, run_dir)
+    log = StepLog(O.total_steps, step)
+    amp = (torch.autocast(device.type, dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[O.precision])
+           if O.precision != "fp32" else None)
+    scaler = torch.amp.GradScaler("cuda") if O.precision == "fp16" else None
+
+    try:
+        while step < O.total_steps:
+            t_step = time.perf_counter()
+            metrics: dict[str, Any] = {}
+            # ---- 1-3. rollout, reward, advantages; dynamic sampling fills the train batch
+            kept: list = []  # (sample, reward, correct, group id) of kept groups
+            n_groups_dropped, n_gen_batches, t_gen, t_score = 0, 0, 0.0, 0.0
+            all_rewards, all_correct, all_texts, all_finished, all_lens, group_full = [], [], [], [], [], []
+            n_prompts_needed = O.train_batch_size
+            while len({g for *_, g in kept}) < n_prompts_needed:
+                if mcfg.dynamic_sampling and n_gen_batches >= R.max_gen_batches:
+                    break
+                k = R.gen_batch_size if mcfg.dynamic_sampling else O.train_batch_size
+                batch_rows, cursor = take_prompts(rows, cursor, k, O.seed, cfg.data.shuffle)
+                prompts = [build_prompt(r["problem"], cfg.data.template.value, tok, use_chat) for r in batch_rows]
+                t0 = time.perf_counter()
+                sp = SamplingParams(n=R.n, temperature=R.temperature, top_p=R.top_p, top_k=R.top_k,
+                                    max_new_tokens=R.max_response_tokens,
+                                    seed=O.seed * 1_000_003 + step * 101 + n_gen_batches)
+                groups = engine.generate(prompts, sp)
+                t_gen += time.perf_counter() - t0
+                t0 = time.perf_counter()
+                flat = [(gi, s) for gi, g in enumerate(groups) for s in g]
+                verdicts = grader.grade_many([s.text for _, s in flat], [batch_rows[gi]["answer"] for gi, _ in flat])
+                t_score += time.perf_counter() - t0
+                correct = torch.tensor([float(v.correct and s.finished) for (_, s), v in zip(flat, verdicts)])
+                reward = correct.clone()
+                lens = torch.tensor([len(s.response_ids) for _, s in flat])
+                if mcfg.overlong.enable:
+                    reward = reward + overlong_penalty(lens, R.max_response_tokens, mcfg.overlong.buffer, mcfg.overlong.factor)
+                gid = torch.tensor([n_gen_batches * 100_000 + gi for gi, _ in flat])
+                all_rewards += reward.tolist()
+                all_correct += correct.tolist()
+                all_texts += [s.text for _, s in flat]
+                all_finished += [s.finished for _, s in flat]
+                all_lens += lens.tolist()
+                group_full += correct.view(-1, R.n).min(-1).values.tolist()
+                keep = torch.ones(len(flat), dtype=torch.bool)
+                if mcfg.dynamic_sampling:
+                    keep, dropped = dynamic_sampling_keep(reward, gid)
+                    n_groups_dropped += dropped
+                for j in torch.nonzero(keep).squeeze(1).tolist():
+                    kept.append((flat[j][1], reward[j].item(), correct[j].item(), int(gid[j])))
+                n_gen_batches += 1
+                if not mcfg.dynamic_sampling:
+                    break
+            n_groups = len({g for *_, g in kept})
+            # Trim to the train batch (whole groups, in draw order).
+            keep_groups = sorted({g for *_, g in kept})[: O.train_batch_size]
+            kept = [x for x in kept if x[3] in set(keep_groups)]
+            metrics.update({
+                "reward": float(sum(all_rewards) / len(all_rewards)),
+                "acc": float(sum(all_correct) / len(all_correct)),
+                "full_solve": float(sum(group_full) / len(group_full)),
+                "groups_dropped": n_groups_dropped, "gen_batches": n_gen_batches, "train_groups": len(keep_groups),
+                "len/mean": float(sum(all_lens) / len(all_lens)), "len/max": int(max(all_lens)),
+                "len/truncated": float(1 - sum(all_finished) / len(all_finished)),
+                "reflection_rate": reflection_rate(all_texts, cfg.logging.reflection_words),
+            })
+            if not kept:  # every group was all-equal: nothing to learn from this step
+                metrics.update({"lr": sched.get_last_lr()[0], "skipped": 1})
+                step += 1
+                sched.step()
+                _finish_step(run_dir, step, metrics, t_step, t_gen, t_score, 0.0, log, wb)
+                continue
+            samples = [x[0] for x in kept]
+            rewards = torch.tensor([x[1] for x in kept])
+            gids = torch.tensor([x[3] for x in kept])
+            if spec.advantage == "w_reinforce":
+                adv_seq = w_reinforce_advantage(rewards, mcfg.w_reinforce_lambda)
+            else:
+                adv_seq = grpo_advantage(rewards, gids, eps=mcfg.adv_eps, norm_by_std=mcfg.adv_estimator == "grpo")
+            batch = pack(samples, tok.pad_token_id, device)
+            mask = batch["response_mask"]
+            if R.truncated == "mask":
+                fin = torch.tensor([float(s.finished) for s in samples], device=device)
+                mask = mask * fin[:, None]
+            adv = adv_seq.to(device)[:, None] * mask
+
+            # ---- 4. old log-probs and entropies, one no-grad forward (in micro-batches)
+            t_train0 = time.perf_counter()
+            model.eval()
+            with torch.no_grad():
+                olds, ents = [], []
+                for i in range(0, len(samples), O.micro_batch_size):
+                    sl = slice(i, i + O.micro_batch_size)
+                    with (amp if amp else _null()):
+                        lp, en = token_logprobs_entropy(model, batch["input_ids"][sl], batch["attention_mask"][sl],
+                                                        batch["resp_start"], R.temperature)
+                    olds.append(lp.float())
+                    ents.append(en.float())
+                old_logp, entropy = torch.cat(olds), torch.cat(ents)
+            model.train()
+            H = float((entropy * mask).sum() / mask.sum().clamp(min=1))
+            metrics["entropy"] = H
+
+            # ---- 5. STARE: gate from this batch's entropy, then token weights (batch scope)
+            loss_mask = mask
+            if spec.stare:
+                controller.update(H)
+                if mcfg.stare.scope == "batch":
+                    w = controller.weights(adv, old_logp, mask)
+                    adv = adv * w
+                    metrics["stare/sel_pos"] = float(((w > 1) & (mask > 0)).sum() / mask.sum().clamp(min=1))
+                    metrics["stare/sel_neg"] = float(((w < 1) & (mask > 0)).sum() / mask.sum().clamp(min=1))
+                metrics.update({"stare/gate": float(controller.gate), "stare/W": controller.W, "stare/M": controller.M})
+            if spec.top_entropy:
+                loss_mask = mask * top_entropy_mask(entropy, mask, mcfg.top_entropy_frac)
+            metrics.update({k: float(v) for k, v in quadrant_stats(adv, old_logp, entropy, mask).items()})
+
+            # ---- 6. PPO updates: mini-batches of prompts, micro-batches of responses
+            need_ent = spec.entro_adv or mcfg.entropy_coef > 0
+            gen = torch.Generator().manual_seed(O.seed * 7919 + step)
+            stats_acc: dict[str, list[float]] = {}
+            grad_norms = []
+            resp_per_mini = O.mini_batch_size * R.n
+            order = list(range(len(samples)))
+            for _epoch in range(O.ppo_epochs):
+                for m0 in range(0, len(order), resp_per_mini):
+                    mini = order[m0 : m0 + resp_per_mini]
+                    n_tok = float(mask[mini].sum())
+                    n_seq = float((mask[mini].sum(-1) > 0).sum())
+                    agg = Agg(mcfg.loss_agg, num_tokens=max(n_tok, 1.0), num_seqs=max(n_seq, 1.0), scale=R.max_response_tokens)
+                    opt.zero_grad(set_to_none=True)
+                    for u0 in range(0, len(mini), O.micro_batch_size):
+                        idx = mini[u0 : u0 + O.micro_batch_size]
+                        with (amp if amp else _null()):
+                            lp, en = token_logprobs_entropy(model, batch["input_ids"][idx], batch["attention_mask"][idx],
+                                                            batch["resp_start"], R.temperature, need_entropy=need_ent)
+                        a_mb = adv[idx]
+                        if spec.stare and mcfg.stare.scope == "micro_batch":
+                            a_mb = a_mb * controller.weights(a_mb, old_logp[idx], mask[idx])
+                        loss, st = policy_loss(spec, mcfg, log_prob=lp.float(), old_log_prob=old_logp[idx], adv=a_mb,
+                                               mask=loss_mask[idx], entropy=None if en is None else en.float(), agg=agg,
+                                               generator=gen)
+                        (scaler.scale(loss) if scaler else loss).backward()
+                        for k, v in st.items():
+                            stats_acc.setdefault(k, []).append(float(v.detach()))
+                        stats_acc.setdefault("loss", []).append(float(loss.detach()))
+                    if scaler:
+                        scaler.unscale_(opt)
+                    gn = torch.nn.utils.clip_grad_norm_(model.parameters(), O.grad_clip)
+                    grad_norms.append(float(gn))
+                    if scaler:
+                        scaler.step(opt)
+                        scaler.update()
+                    else:
+                        opt.step()
+            metrics["lr"] = sched.get_last_lr()[0]
+            sched.step()
+            metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
+            for k, v in stats_acc.items():
+                metrics[k if k == "loss" else f"actor/{k}"] = sum(v) / len(v)
+            t_train = time.perf_counter() - t_train0
+            step += 1
+
+            # ---- 7. samples, metrics, evaluation, checkpoint
+            if cfg.logging.samples_every and step % cfg.logging.samples_every == 0:
+                with open(run_dir / "samples" / f"step-{step:06d}.jsonl", "w") as f:
+                    for s, (_, r, c, g) in zip(samples[:64], kept[:64]):
+                        f.write(json.dumps({"group": g, "reward": r, "correct": c, "finished": s.finished,
+                                            "response": s.text}) + "\n")
+            if eval_rows and ((cfg.eval.every and step % cfg.eval.every == 0) or step == O.total_steps):
+                metrics.update(_evaluate(engine, eval_grader, eval_rows, cfg, tok, use_chat, step, run_dir))
+            _finish_step(run_dir, step, metrics, t_step, t_gen, t_score, t_train, log, wb)
+            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == O.total_steps:
+                state = {"step": step, "cursor": cursor, "controller": controller.state_dict(), "method": spec.name}
+                save_checkpoint(run_dir, step, model, tok, opt, sched, state, cfg.checkpoint.keep_last)
+    finally:
+        log.close()
+        grader.close()
+        eval_grader.close()
+        if wb is not None:
+            wb.finish()
+    return run_dir
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False
+
+
+def _finish_step(run_dir, step, metrics, t_step, t_gen, t_score, t_train, log, wb) -> None:
+    metrics.update({"time/generate": t_gen, "time/score": t_score, "time/train": t_train,
+                    "time/step": time.perf_counter() - t_step})
+    row = {"step": step, **metrics}
+    append_jsonl(run_dir / "metrics.jsonl", row)
+    log.log(step, metrics)
+    if wb is not None:
+        wb.log(metrics, step=step)
+
+
+def _eval_rows(bench: str, cfg: Recipe) -> list[dict]:
+    """Problems of an evaluation benchmark (the toy's held-out set, or a registered benchmark)."""
+    if bench.startswith("toy:"):
+        from stare_cli.toy import problems
+
+        return [{"problem": r["problem"], "answer": r["answer"]} for r in problems(cfg.eval.limit or 256, seed=999_999)]
+    from benchmarks.registry import load_benchmark
+
+    return load_benchmark(bench, limit=cfg.eval.limit)
+
+
+def _evaluate(engine, eval_grader, eval_rows, cfg: Recipe, tok, use_chat, step: int, run_dir: Path) -> dict:
+    """avg@n accuracy, mean response length and token-free entropy proxy per benchmark."""
+    from benchmarks.engines import SamplingParams
+    from benchmarks.templates import build_prompt
+
+    out = {}
+    for bench, rows in eval_rows.items():
+        n = cfg.eval.n or _protocol_n(bench)
+        prompts = [build_prompt(r["problem"], cfg.data.template.value if bench.startswith("toy:") else "paper", tok, use_chat)
+                   for r in rows]
+        sp = SamplingParams(n=n, temperature=cfg.eval.temperature, top_p=cfg.eval.top_p, top_k=-1,
+                            max_new_tokens=cfg.eval.max_tokens or cfg.rollout.max_response_tokens, seed=cfg.optim.seed + 17)
+        groups = engine.generate(prompts, sp)
+        texts = [s.text for g in groups for s in g]
+        golds = [r["answer"] for r, g in zip(rows, groups) for _ in g]
+        fins = [s.finished for g in groups for s in g]
+        verdicts = eval_grader.grade_many(texts, golds)
+        acc = sum(v.correct and f for v, f in zip(verdicts, fins)) / max(len(verdicts), 1)
+        out[f"eval/{bench}/acc"] = acc
+        out[f"eval/{bench}/len"] = sum(len(s.response_ids) for g in groups for s in g) / max(len(texts), 1)
+        out[f"eval/{bench}/n"] = n
+    return out
+
+
+def _protocol_n(bench: str) -> int:
+    try:
+        from benchmarks.registry import BENCHMARKS
+
+        return BENCHMARKS[bench].n
+    except (ImportError, KeyError):
+        return 1
+
+
+def _wandb_init(cfg: Recipe, run_dir: Path):
+    if cfg.logging.wandb == "disabled":
+        return None
+    try:
+        import wandb
+    except ImportError:
+        print("wandb is not installed; metrics go to metrics.jsonl only", file=sys.stderr)
+        return None
+    return wandb.init(project=cfg.logging.project, name=cfg.logging.run_name or run_dir.name, dir=str(run_dir),
+                      mode=cfg.logging.wandb, config=cfg.model_dump(mode="json"), reinit=True)
