@@ -81,7 +81,9 @@ def _root(
 # ----------------------------------------------------------------------------------------- train
 @app.command(rich_help_panel="Training")
 def train(
-    recipe: Annotated[str, typer.Option("--recipe", "-r", help="Recipe name (see `stare recipes list`) or YAML path.")],
+    recipe: Annotated[
+        Optional[str], typer.Option("--recipe", "-r", help="Recipe name (see `stare recipes list`) or YAML path.")
+    ] = None,
     method: MethodOpt = None,
     override: OverrideOpt = None,
     backend: Annotated[Optional[Backend], typer.Option(help="Override the recipe's backend.")] = None,
@@ -106,7 +108,11 @@ def train(
     if resume is not None:
         from stare_cli.backends.embedded import resume_recipe
 
+        if recipe or method:
+            raise StareError("--resume continues a run with its own recipe and method", hint="drop --recipe/--method")
         cfg = resume_recipe(resume, overrides)
+    elif recipe is None:
+        raise StareError("stare train needs --recipe (or --resume RUN_DIR)", hint="`stare recipes list` shows recipes")
     else:
         cfg = load_recipe(recipe, method, overrides)
     if cfg.backend.name == "verl":
@@ -122,17 +128,62 @@ def train(
 
 
 # ------------------------------------------------------------------------------------------ eval
+class Template(str, Enum):
+    paper = "paper"
+    plain = "plain"
+    r1 = "r1"
+    raw = "raw"
+
+
+class Harness(str, Enum):
+    native = "native"
+    lm_eval = "lm-eval"
+
+
 @app.command("eval", rich_help_panel="Evaluation")
 def eval_cmd(
-    bench: Annotated[list[str], typer.Option("--bench", "-b", help="Benchmark name, repeatable; 'paper' = all six.")],
-    model: Annotated[str, typer.Option(help="Model directory, run checkpoint or hub id.")],
-    engine: Annotated[Engine, typer.Option(help="Generation engine.")] = Engine.auto,
+    bench: Annotated[list[str], typer.Option("--bench", "-b", help="Benchmark, repeatable; 'paper' = all six.")],
+    model: Annotated[str, typer.Option(help="Model directory, run directory or checkpoint, hub id, or toy:arith.")],
+    engine: Annotated[Engine, typer.Option(help="Generation engine (auto: vLLM with a GPU, else HF).")] = Engine.auto,
     n: Annotated[Optional[int], typer.Option("-n", min=1, help="Samples per problem (default: the paper's).")] = None,
     limit: Annotated[Optional[int], typer.Option(min=1, help="Only the first K problems.")] = None,
-    out: Annotated[Optional[Path], typer.Option(help="Output directory.")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Output directory (default: beside the run, or evals/).")] = None,
+    template: Annotated[Template, typer.Option(help="Prompt template.")] = Template.paper,
+    temperature: Annotated[Optional[float], typer.Option(min=0.0, help="Default: the paper's 1.0.")] = None,
+    top_p: Annotated[Optional[float], typer.Option(min=0.0, max=1.0, help="Default: the paper's 0.7.")] = None,
+    max_tokens: Annotated[Optional[int], typer.Option(min=1, help="Max new tokens (default 3072).")] = None,
+    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
+    data_file: Annotated[Optional[str], typer.Option(help="Local .jsonl (problem, answer) for a single --bench.")] = None,
+    base_url: Annotated[Optional[str], typer.Option(help="OpenAI-compatible endpoint for --engine openai.")] = None,
+    workers: Annotated[Optional[int], typer.Option(min=0, help="Grading processes (default: all cores; 0: in-process).")] = None,
+    harness: Annotated[Harness, typer.Option(help="native, or the lm-eval bridge.")] = Harness.native,
+    as_json: JsonOpt = False,
 ) -> None:
     """Evaluate a model on math benchmarks (avg@N, pass@k, maj@k)."""
-    raise NotImplementedYet("`stare eval` is not implemented yet", hint="tracked in the evaluation issue")
+    if harness == Harness.lm_eval:
+        raise NotImplementedYet("the lm-eval bridge is not implemented yet", hint="use --harness native")
+    from benchmarks.evaluate import run_eval
+
+    results = run_eval(model, bench, engine.value, n, limit, out, template.value, temperature, top_p, max_tokens,
+                       seed, data_file, base_url, workers)
+    rows = {b: r["metrics"] for b, r in results.items()}
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"stare eval: {model}")
+    for col in ("benchmark", "N", "avg@N", "pass@N", "maj@N", "len", "truncated %", "problems"):
+        t.add_column(col)
+    for b, m in rows.items():
+        N = m["n"]
+        t.add_row(b, str(N), f"{m[f'avg@{N}']:.1f}", f"{m[f'pass@{N}']:.1f}", f"{m[f'maj@{N}']:.1f}",
+                  f"{m['len/mean']:.0f}", f"{m['truncated']:.1f}", str(m["problems"]))
+    if len(rows) > 1:
+        avg = sum(m[f"avg@{m['n']}"] for m in rows.values()) / len(rows)
+        t.add_row("average", "", f"{avg:.1f}", "", "", "", "", "")
+    Console().print(t)
 
 
 # --------------------------------------------------------------------------------------- compare

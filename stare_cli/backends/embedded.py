@@ -225,12 +225,12 @@ class StepLog:
 def train(cfg: Recipe, out_root: Path | str = "runs", resume_dir: Optional[Path] = None) -> Path:
     """Train `cfg.method` under `cfg` with the embedded backend. Returns the run directory."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from baselines import Agg, StareController, dynamic_sampling_keep, grpo_advantage, overlong_penalty
     from baselines import quadrant_stats, top_entropy_mask, w_reinforce_advantage
     from baselines.registry import check_method, policy_loss
-    from benchmarks.engines import HFEngine, SamplingParams
+    from benchmarks.engines import HFEngine, SamplingParams, load_tokenizer
     from benchmarks.grading import Grader
     from benchmarks.templates import build_prompt
 
@@ -258,7 +258,7 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume_dir: Optional[Path]
     resuming = resume_dir is not None and latest.exists()
     model_path = str(latest.resolve()) if resuming else resolve_model_path(cfg.model.path, cfg.backend.embedded.threads)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.model.dtype.value]
-    tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
+    tok = load_tokenizer(model_path, trust_remote_code=cfg.model.trust_remote_code)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     torch.manual_seed(O.seed)

@@ -1,0 +1,117 @@
+"""The six evaluation benchmarks of the paper, each a small declarative spec.
+
+Sources (public Hugging Face hub copies; chosen because they hold exactly the sets the paper
+reports, with one gold answer per problem and a test split):
+- aime24: HuggingFaceH4/aime_2024 (30 problems, AIME 2024 I and II)
+- aime25: math-ai/aime25 (30 problems, AIME 2025 I and II)
+- amc23: math-ai/amc23 (40 problems, AMC 2023 as used by Qwen2.5-Math and SimpleRL)
+- math500: HuggingFaceH4/MATH-500 (the 500-problem subset of Lightman et al.)
+- minerva: math-ai/minervamath (the 272-problem Minerva/OCW set, not Hendrycks MATH)
+- olympiadbench: math-ai/olympiadbench (674 English, text-only, math, open-ended problems)
+Field names differ between copies; each spec lists the candidates it tries in order.
+
+Local override (no network): `--data-file FILE` or `STARE_DATA_DIR` holding `<name>.jsonl` with
+fields `problem` and `answer`. Problems that already end with the paper's instruction sentence
+are left as they are (templates never add it twice).
+
+Protocol (the paper): avg@32 for AIME24, AIME25 and AMC23, avg@4 for the others; temperature 1.0,
+top_p 0.7. Bump `version` when a spec changes what a result means.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from stare_cli.errors import StareError, did_you_mean
+
+PAPER_ORDER = ("aime24", "aime25", "amc23", "math500", "minerva", "olympiadbench")
+
+
+@dataclass(frozen=True)
+class BenchmarkSpec:
+    name: str
+    title: str
+    hub_id: str
+    split: str
+    n: int  # samples per problem in the paper's protocol
+    size: int  # problems in the reference copy
+    problem_fields: tuple[str, ...] = ("problem", "question", "Problem", "Question")
+    answer_fields: tuple[str, ...] = ("answer", "final_answer", "Answer", "gt_answer")
+    temperature: float = 1.0
+    top_p: float = 0.7
+    max_tokens: int = 3072
+    metrics: tuple[str, ...] = ("avg@n", "pass@k", "maj@k")
+    version: int = 1
+
+
+BENCHMARKS: dict[str, BenchmarkSpec] = {
+    b.name: b
+    for b in [
+        BenchmarkSpec("aime24", "AIME24", "HuggingFaceH4/aime_2024", "train", n=32, size=30),
+        BenchmarkSpec("aime25", "AIME25", "math-ai/aime25", "test", n=32, size=30),
+        BenchmarkSpec("amc23", "AMC23", "math-ai/amc23", "test", n=32, size=40),
+        BenchmarkSpec("math500", "MATH-500", "HuggingFaceH4/MATH-500", "test", n=4, size=500),
+        BenchmarkSpec("minerva", "Minerva", "math-ai/minervamath", "test", n=4, size=272),
+        BenchmarkSpec("olympiadbench", "OlympiadBench", "math-ai/olympiadbench", "test", n=4, size=674),
+    ]
+}
+
+
+def check_benchmark(name: str) -> BenchmarkSpec:
+    if name not in BENCHMARKS:
+        raise StareError(f"unknown benchmark '{name}'{did_you_mean(name, BENCHMARKS)}; valid: {', '.join(BENCHMARKS)}, paper")
+    return BENCHMARKS[name]
+
+
+def expand(names: list[str]) -> list[str]:
+    """'paper' stands for all six, in the paper's order."""
+    out: list[str] = []
+    for n in names:
+        for x in (PAPER_ORDER if n == "paper" else [n]):
+            if x not in out:
+                out.append(x)
+    return out
+
+
+def _pick(row: dict, fields: tuple[str, ...], what: str, name: str) -> str:
+    for f in fields:
+        if f in row and row[f] is not None:
+            v = row[f]
+            if isinstance(v, list):  # OlympiadBench stores final answers as a list
+                v = v[0] if len(v) == 1 else ", ".join(str(x) for x in v)
+            return str(v)
+    raise StareError(f"{name}: no {what} field (tried {', '.join(fields)}); fields: {', '.join(row)}")
+
+
+def load_benchmark(name: str, limit: Optional[int] = None, data_file: Optional[str] = None) -> list[dict]:
+    """Rows {'problem', 'answer', 'idx'}: from data_file, $STARE_DATA_DIR/<name>.jsonl, or the hub."""
+    spec = check_benchmark(name)
+    path = Path(data_file) if data_file else None
+    if path is None and os.environ.get("STARE_DATA_DIR"):
+        cand = Path(os.environ["STARE_DATA_DIR"]) / f"{name}.jsonl"
+        if cand.exists():
+            path = cand
+    if path is not None:
+        if not path.exists():
+            raise StareError(f"{name}: data file '{path}' not found")
+        raw = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    else:
+        try:
+            import datasets
+
+            raw = list(datasets.load_dataset(spec.hub_id, split=spec.split))
+        except Exception as e:
+            raise StareError(
+                f"{name}: cannot load {spec.hub_id} from the Hugging Face hub ({type(e).__name__})",
+                hint=f"pass --data-file FILE.jsonl or set STARE_DATA_DIR to a folder with {name}.jsonl "
+                "(fields: problem, answer)",
+            ) from None
+    rows = [
+        {"idx": i, "problem": _pick(r, spec.problem_fields, "problem", name), "answer": _pick(r, spec.answer_fields, "answer", name)}
+        for i, r in enumerate(raw)
+    ]
+    return rows[:limit] if limit else rows

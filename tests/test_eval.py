@@ -1,0 +1,179 @@
+"""Evaluation: grading of every gold, equivalent and wrong forms, pathological answers, metrics
+against brute force, and `stare eval` end to end on a tiny local model (with a kill and resume)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from benchmarks.grading import Grader, extract_answer, grade
+from benchmarks.metrics import benchmark_metrics, majority_correct, pass_at_k
+from benchmarks.registry import BENCHMARKS, PAPER_ORDER, expand, load_benchmark
+from benchmarks.templates import INSTRUCTION, build_prompt
+from conftest import BENCH_DATA, REPO
+
+
+# --------------------------------------------------------------------------------------- grading
+def test_every_gold_grades_correct_as_a_response():
+    golds = []
+    for b in PAPER_ORDER:
+        rows = load_benchmark(b, data_file=str(BENCH_DATA / f"{b}.jsonl"))
+        assert len(rows) == BENCHMARKS[b].size
+        golds += [r["answer"] for r in rows]
+    assert len(golds) == 1546
+    with Grader(workers=2) as g:
+        verdicts = g.grade_many([f"Let me think.\nSo the result is \\boxed{{{a.strip('$')}}}." for a in golds], golds)
+    wrong = [(a, v.reason) for a, v in zip(golds, verdicts) if not v.correct]
+    assert wrong == []
+
+
+@pytest.mark.parametrize(
+    "answer,gold",
+    [
+        ("0.5", "\\frac12"), ("\\dfrac{1}{2}", "\\frac{1}{2}"), ("x = 3", "3"), ("3", "x=3"),
+        ("[1, 2)", "[1,2)"), ("(1, 2)", "(1,2)"), ("90^\\circ", "90"), ("50\\%", "50"),
+        ("10 \\text{ cm}", "10"), ("\\sqrt{2}/2", "\\frac{\\sqrt2}{2}"), ("4.5\\times10^{33}", "4.5e33"),
+        ("1,000", "1000"), ("$27$", "27"),
+    ],
+)
+def test_equivalent_forms_grade_correct(answer, gold):
+    v = grade(f"The answer is \\boxed{{{answer}}}", gold)
+    assert v.correct, v
+
+
+@pytest.mark.parametrize(
+    "answer,gold", [("0.51", "\\frac12"), ("4", "3"), ("(1, 3)", "(1,2)"), ("x = 4", "3"), ("[1,2]", "(1,2)"), ("-3", "3")]
+)
+def test_wrong_answers_grade_wrong(answer, gold):
+    assert not grade(f"\\boxed{{{answer}}}", gold).correct
+
+
+def test_extraction_order_and_fallbacks():
+    assert extract_answer("\\boxed{1} then \\boxed{\\frac{a}{b}}") == ("\\frac{a}{b}", "boxed")
+    assert extract_answer("so the final answer is 42.") == ("42", "answer-phrase")
+    assert extract_answer("we get 3 and then 17 apples") == ("17", "last-number")
+    assert extract_answer("no digits here") == (None, "none")
+    assert extract_answer("\\boxed{7", boxed_only=True) == (None, "none")  # unclosed
+
+
+def test_pathological_answers_are_wrong_with_a_reason_and_never_hang():
+    cases = [
+        "\\boxed{9^{9^{9^{9}}}}", "x" * 100_000 + " \\boxed{3}" + "y" * 100_000, "\\boxed{{{{{{", "",
+        "\\boxed{" + "(" * 5000 + "1" + ")" * 5000 + "}", "\\boxed{10000!}",
+    ]
+    t0 = time.time()
+    with Grader(workers=2, timeout=2, hard_timeout=20) as g:
+        vs = g.grade_many(cases, ["3"] * len(cases))
+    assert time.time() - t0 < 120
+    assert len(vs) == len(cases)
+    assert not vs[0].correct and not vs[2].correct and not vs[3].correct and not vs[5].correct
+    assert vs[1].correct  # the answer at the end of a 200k-character response is still found
+    assert vs[3].reason == "no-answer"
+
+
+# --------------------------------------------------------------------------------------- metrics
+def test_pass_at_k_equals_brute_force():
+    for n in range(1, 7):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                outcomes = [True] * c + [False] * (n - c)
+                subsets = list(itertools.combinations(range(n), k))
+                brute = sum(any(outcomes[i] for i in s) for s in subsets) / len(subsets)
+                assert pass_at_k(n, c, k) == pytest.approx(brute)
+
+
+def test_avg_and_maj_hand_made():
+    # Problem 1: 3/4 correct, answers 5,5,5,7 (7 wrong) -> maj@4 right; maj@1 right (first is 5).
+    # Problem 2: 1/4 correct, answers 2,3,3,None (2 right) -> maj@4 wrong (3 wins), maj@1 right.
+    p1 = {"correct": [True, True, True, False], "answers": ["5", "5", "5", "7"], "lengths": [10] * 4, "finished": [True] * 4}
+    p2 = {"correct": [True, False, False, False], "answers": ["2", "3", "3", None], "lengths": [20] * 4,
+          "finished": [True, True, True, False]}
+    m = benchmark_metrics([p1, p2])
+    assert m["avg@4"] == pytest.approx(100 * (0.75 + 0.25) / 2)
+    assert m["maj@4"] == pytest.approx(50.0) and m["maj@1"] == pytest.approx(100.0)
+    assert m["pass@1"] == pytest.approx(m["avg@4"])
+    assert m["pass@4"] == pytest.approx(100.0)
+    assert m["len/mean"] == pytest.approx(15.0) and m["truncated"] == pytest.approx(12.5)
+    assert majority_correct(["a", "b"], [False, True]) is False  # tie: the first answer seen wins
+
+
+# ------------------------------------------------------------------------------- data, templates
+def test_instruction_is_not_doubled():
+    row = load_benchmark("amc23", limit=1, data_file=str(BENCH_DATA / "amc23.jsonl"))[0]
+    assert row["problem"].endswith(INSTRUCTION)
+    prompt = build_prompt(row["problem"], "plain")
+    assert prompt.count(INSTRUCTION) == 1
+    assert build_prompt("What is 1+1?", "plain").count(INSTRUCTION) == 1
+
+
+def test_paper_expands_in_order_and_local_dir(monkeypatch):
+    assert expand(["paper"]) == list(PAPER_ORDER)
+    monkeypatch.setenv("STARE_DATA_DIR", str(BENCH_DATA))
+    assert len(load_benchmark("minerva")) == 272
+
+
+def test_hub_failure_says_how_to_use_a_local_file(monkeypatch, cli):
+    monkeypatch.delenv("STARE_DATA_DIR", raising=False)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code, _, err = cli("eval", "--bench", "aime24", "--model", "/nonexistent-model-dir", "--limit", "1")
+    assert code == 1
+    assert "error:" in err
+
+
+# ------------------------------------------------------------------------------ end to end (CLI)
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from stare_cli.toy import make_random_init
+
+    return make_random_init(tmp_path_factory.mktemp("tiny_eval_model"))
+
+
+def _eval_args(model, out, bench="math500", limit=3, n=2):
+    return ["eval", "--bench", bench, "--model", str(model), "--limit", str(limit), "-n", str(n), "--out", str(out),
+            "--max-tokens", "12", "--data-file", str(BENCH_DATA / f"{bench}.jsonl"), "--engine", "hf", "--workers", "0"]
+
+
+def test_eval_end_to_end_writes_both_files(cli, tmp_path, tiny_model):
+    code, out, err = cli(*_eval_args(tiny_model, tmp_path / "ev"), "--json")
+    assert code == 0, err
+    metrics = json.loads(out)["math500"]
+    assert metrics["n"] == 2 and metrics["problems"] == 3
+    res = json.loads((tmp_path / "ev" / "math500" / "results.json").read_text())
+    assert res["protocol"]["n"] == 2 and res["protocol"]["paper_protocol"] is False
+    assert "torch" in res["environment"]["packages"]
+    samples = [json.loads(x) for x in (tmp_path / "ev" / "math500" / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 6
+    assert {"prompt", "response", "extracted", "correct", "reason"} <= set(samples[0])
+
+
+def test_eval_killed_midway_resumes_to_the_same_results(cli, tmp_path, tiny_model):
+    ref_out, out = tmp_path / "ref", tmp_path / "killed"
+    args = _eval_args(tiny_model, ref_out, limit=24, n=2)
+    code, _, err = cli(*args)
+    assert code == 0, err
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.Popen([sys.executable, "-m", "stare_cli", *_eval_args(tiny_model, out, limit=24, n=2)],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=REPO)
+    samples = out / "math500" / "samples.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (samples.exists() and samples.read_text().count("\n") >= 16):
+        time.sleep(0.02)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    assert samples.exists() and not (out / "math500" / "results.json").exists() or p.returncode != 0
+    code, _, err = cli(*_eval_args(tiny_model, out, limit=24, n=2))
+    assert code == 0, err
+    a = json.loads((ref_out / "math500" / "results.json").read_text())
+    b = json.loads((out / "math500" / "results.json").read_text())
+    assert a["metrics"] == b["metrics"]
+    strip = lambda p: sorted((r["idx"], r["sample"], r["response"]) for r in map(json.loads, p.read_text().splitlines()))  # noqa: E731
+    assert strip(ref_out / "math500" / "samples.jsonl") == strip(samples)
