@@ -187,13 +187,66 @@ def eval_cmd(
 
 
 # --------------------------------------------------------------------------------------- compare
+class Format(str, Enum):
+    table = "table"
+    md = "md"
+    latex = "latex"
+    csv = "csv"
+    json = "json"
+
+
 @app.command(rich_help_panel="Evaluation")
 def compare(
-    runs: Annotated[list[Path], typer.Argument(help="Run directories or eval output directories.")],
+    runs: Annotated[list[Path], typer.Argument(help="Run directories or `stare eval` output directories.")],
+    fmt: Annotated[Format, typer.Option("--format", "-f", help="Output format.")] = Format.table,
+    out: Annotated[Optional[Path], typer.Option(help="Write the table here instead of stdout.")] = None,
     paper: Annotated[Optional[str], typer.Option(help="Put the paper's Table 2 rows of this scenario beside ours.")] = None,
+    baseline: Annotated[Optional[str], typer.Option(help="Method for the delta column, e.g. grpo-ds.")] = None,
+    metric: Annotated[str, typer.Option(help="avg (avg@N), pass@k or maj@k, e.g. pass@8.")] = "avg",
+    plot: Annotated[Optional[Path], typer.Option(help="Write training-dynamics and pass@k plots (PNG, SVG) here.")] = None,
 ) -> None:
     """Tables and plots of runs beside the paper's numbers."""
-    raise NotImplementedYet("`stare compare` is not implemented yet", hint="tracked in the compare issue")
+    import re
+
+    from stare_cli import compare as C
+
+    if metric != "avg" and not re.fullmatch(r"(pass|maj)@\d+", metric):
+        raise StareError(f"unknown metric '{metric}'", hint="avg, pass@k or maj@k (k a number)")
+    results = C.load_inputs(runs)
+    rows, info = C.build_rows(results, metric)
+    if paper:
+        rows = rows + C.paper_rows(paper)
+        if metric != "avg":
+            raise StareError("--paper rows are avg@N only", hint="use --metric avg with --paper")
+    deltas = C.add_delta(rows, baseline)
+    if plot:
+        from stare_cli.plots import plot_dynamics
+
+        runs_with_rows = {f"{C._title(r.label)} (seed {r.seed})": r.metrics_rows for r in results if r.metrics_rows}
+        made = []
+        if runs_with_rows:
+            h = None
+            for r in results:
+                cfg_file = Path(r.source) / "config.yaml"
+                if cfg_file.exists():
+                    import yaml
+
+                    h = yaml.safe_load(cfg_file.read_text())["method"]["stare"]["h_tgt"]
+                    break
+            made += plot_dynamics(runs_with_rows, plot / "dynamics", h_tgt=h)
+        made += C.passk_plot(results, plot)
+        for p in made:
+            print(f"wrote {p}", file=sys.stderr)
+    if fmt == Format.table and out is None:
+        C.print_rich(rows, info, deltas)
+        return
+    text = C.render(rows, info, "md" if fmt == Format.table else fmt.value, deltas)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+        print(f"wrote {out}", file=sys.stderr)
+    else:
+        typer.echo(text, nl=False)
 
 
 # --------------------------------------------------------------------------------------- methods

@@ -1,0 +1,327 @@
+"""`stare compare`: runs and evaluations beside each other and beside the paper's Table 2.
+
+Inputs are training run directories (evaluation results under `eval/`, `metrics.jsonl`) and
+`stare eval` output directories (`<bench>/results.json`). Rows are grouped by method and protocol:
+mean ± std over seeds with the seed count. Results made under different protocols (N,
+temperature, top_p, template, max tokens, or a --limit) are never averaged together: they get
+separate rows, flagged. The paper's published numbers ship as package data.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import statistics
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+from benchmarks.registry import BENCHMARKS, PAPER_ORDER
+from stare_cli.errors import StareError
+from stare_cli.runs import read_jsonl
+
+PAPER_MODELS = {
+    "short-cot/qwen2.5-math-7b": ("short-cot", "Qwen2.5-Math-7B"),
+    "short-cot/qwen2.5-14b-instruct": ("short-cot", "Qwen2.5-14B-Instruct"),
+    "short-cot/qwen2.5-32b": ("short-cot", "Qwen2.5-32B"),
+    "long-cot/r1-distill-qwen-1.5b": ("long-cot", "DeepSeek-R1-Distill-Qwen-1.5B"),
+    "long-cot/qwen3-8b": ("long-cot", "Qwen3-8B"),
+    "tool-use/qwen2.5-7b": ("tool-use", "Qwen2.5-7B"),
+}
+
+
+@dataclass
+class Result:
+    """One evaluated model (one seed): metric per benchmark, with the protocol it was made under."""
+
+    label: str  # the method (runs) or the model name (eval directories)
+    seed: Optional[int]
+    source: str
+    metrics: dict[str, dict] = field(default_factory=dict)  # bench -> metrics
+    protocol: dict[str, tuple] = field(default_factory=dict)  # bench -> (n, T, top_p, template, max_tokens, limited)
+    metrics_rows: list[dict] = field(default_factory=list)
+
+
+def _protocol(res: dict) -> tuple:
+    p, s = res["protocol"], res["settings"]
+    return (p["n"], p["temperature"], p["top_p"], p["template"], p["max_tokens"], s.get("limit") is not None)
+
+
+def _collect_results(folder: Path) -> dict[str, dict]:
+    """bench -> results.json found below `folder` (the newest when several)."""
+    found: dict[str, tuple[float, dict]] = {}
+    for f in folder.rglob("results.json"):
+        try:
+            res = json.loads(f.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        b = res.get("benchmark")
+        if b and (b not in found or f.stat().st_mtime > found[b][0]):
+            found[b] = (f.stat().st_mtime, res)
+    return {b: r for b, (_, r) in found.items()}
+
+
+def load_inputs(paths: list[Path]) -> list[Result]:
+    out = []
+    for p in paths:
+        if not p.exists():
+            raise StareError(f"compare: '{p}' does not exist")
+        if (p / "config.yaml").exists():  # a training run
+            cfg = yaml.safe_load((p / "config.yaml").read_text())
+            r = Result(label=cfg["method"]["name"], seed=cfg["optim"]["seed"], source=str(p))
+            r.metrics_rows = read_jsonl(p / "metrics.jsonl")
+            results = _collect_results(p / "eval") if (p / "eval").exists() else {}
+        else:
+            results = _collect_results(p)
+            if not results:
+                raise StareError(f"compare: '{p}' is neither a run directory nor holds results.json files")
+            model = next(iter(results.values()))["settings"]["model"]
+            r = Result(label=Path(model).name or model, seed=next(iter(results.values()))["settings"].get("seed"),
+                       source=str(p))
+        for b, res in results.items():
+            r.metrics[b] = res["metrics"]
+            r.protocol[b] = _protocol(res)
+        out.append(r)
+    return out
+
+
+def metric_key(metric: str, n: int) -> str:
+    if metric == "avg":
+        return f"avg@{n}"
+    return metric
+
+
+@dataclass
+class Row:
+    label: str
+    cells: dict[str, Optional[tuple[float, float, int]]]  # bench -> (mean, std, seeds)
+    avg: Optional[tuple[float, float, int]]
+    paper: bool = False
+    prior: bool = False
+    flagged: bool = False
+    note: str = ""
+
+
+def build_rows(results: list[Result], metric: str = "avg", benches: tuple[str, ...] = PAPER_ORDER) -> tuple[list[Row], dict]:
+    """Group by (label, protocol of each benchmark); mean ± std over seeds. Returns rows and header info."""
+    by_label: dict[str, list[Result]] = {}
+    for r in results:
+        by_label.setdefault(r.label, []).append(r)
+    groups: dict[tuple, list[Result]] = {}
+    for label, rs in by_label.items():
+        # Split a method's seeds only where they disagree on a benchmark's protocol; a seed that
+        # lacks a benchmark does not split anything.
+        conflict = [b for b in benches if len({r.protocol[b] for r in rs if b in r.protocol}) > 1]
+        for r in rs:
+            groups.setdefault((label, tuple(r.protocol.get(b) for b in conflict)), []).append(r)
+    protos: dict[str, set] = {b: set() for b in benches}
+    for r in results:
+        for b in benches:
+            if b in r.protocol:
+                protos[b].add(r.protocol[b])
+    mixed = {b for b, ps in protos.items() if len(ps) > 1}
+    rows = []
+    for (label, _), rs in groups.items():
+        cells: dict[str, Optional[tuple[float, float, int]]] = {}
+        for b in benches:
+            vals = []
+            for r in rs:
+                if b in r.metrics:
+                    m = r.metrics[b]
+                    k = metric_key(metric, m["n"])
+                    if k in m:
+                        vals.append(m[k])
+            cells[b] = (statistics.fmean(vals), statistics.stdev(vals) if len(vals) > 1 else 0.0, len(vals)) if vals else None
+        per_seed_avgs = []
+        for r in rs:
+            vs = [r.metrics[b][metric_key(metric, r.metrics[b]["n"])] for b in benches if b in r.metrics
+                  and metric_key(metric, r.metrics[b]["n"]) in r.metrics[b]]
+            if len(vs) == len(benches):
+                per_seed_avgs.append(sum(vs) / len(vs))
+        avg = (statistics.fmean(per_seed_avgs), statistics.stdev(per_seed_avgs) if len(per_seed_avgs) > 1 else 0.0,
+               len(per_seed_avgs)) if per_seed_avgs else None
+        proto = {b: p for r in rs for b, p in r.protocol.items()}
+        flagged = any(b in mixed for b in proto)
+        lim = any(p[5] for p in proto.values())
+        note = "; ".join(f"{b}: N={p[0]} T={p[1]} top_p={p[2]} {p[3]} max={p[4]}{' limited' if p[5] else ''}"
+                         for b, p in proto.items() if b in mixed) if flagged else ("limited" if lim else "")
+        rows.append(Row(label, cells, avg, flagged=flagged or lim, note=note))
+    ns = sorted({r.metrics[b]["n"] for r in results for b in r.metrics})
+    return rows, {"metric": metric, "ns": ns, "mixed": sorted(mixed)}
+
+
+def paper_rows(scenario: str, benches: tuple[str, ...] = PAPER_ORDER) -> list[Row]:
+    if scenario not in PAPER_MODELS:
+        from stare_cli.errors import did_you_mean
+
+        raise StareError(f"unknown paper scenario '{scenario}'{did_you_mean(scenario, PAPER_MODELS)}; "
+                         f"valid: {', '.join(PAPER_MODELS)}")
+    sc, model = PAPER_MODELS[scenario]
+    text = resources.files("benchmarks").joinpath("data/paper_table2.csv").read_text()
+    rows = []
+    for rec in csv.DictReader(io.StringIO(text)):
+        if rec["scenario"] != sc or rec["base_model"] != model:
+            continue
+        cells = {b: ((float(rec[b]), 0.0, 0) if rec[b] else None) for b in benches}
+        avg = (float(rec["avg"]), 0.0, 0) if rec["avg"] else None
+        rows.append(Row(f"{rec['method']} (paper)", cells, avg, paper=True, prior=rec["from_prior_work"] == "yes"))
+    return rows
+
+
+def _title(label: str) -> str:
+    from baselines.registry import METHODS
+
+    return METHODS[label].title if label in METHODS else label
+
+
+def add_delta(rows: list[Row], baseline: Optional[str]) -> dict[int, Optional[float]]:
+    """Average delta of each row against the baseline method's row (ours first, else the paper's)."""
+    if not baseline:
+        return {}
+    title = _title(baseline)
+    base = next((r for r in rows if not r.paper and r.label == baseline), None) or next(
+        (r for r in rows if r.paper and r.label == f"{title} (paper)"), None)
+    if base is None or base.avg is None:
+        raise StareError(f"compare: no row for baseline '{baseline}' with all benchmarks",
+                         hint="name a method present in the inputs or the paper rows")
+    return {i: (r.avg[0] - base.avg[0]) if r.avg else None for i, r in enumerate(rows)}
+
+
+def _fmt(cell: Optional[tuple[float, float, int]], with_std: bool) -> str:
+    if cell is None:
+        return "–"
+    m, s, k = cell
+    return f"{m:.1f} ± {s:.1f}" if with_std and k > 1 else f"{m:.1f}"
+
+
+def render(rows: list[Row], info: dict, fmt: str, deltas: dict[int, Optional[float]],
+           benches: tuple[str, ...] = PAPER_ORDER) -> str:
+    metric = info["metric"]
+    ns = info["ns"]
+    mlabel = {"avg": "avg@N"}.get(metric, metric)
+    n_txt = "N=" + "/".join(str(n) for n in ns) if ns else ""
+    header = ["Method", *[BENCHMARKS[b].title for b in benches], "Avg"] + (["Δ Avg"] if deltas else []) + ["seeds"]
+    best = {}
+    for b in [*benches, "avg"]:
+        vals = [(r.avg if b == "avg" else r.cells.get(b)) for r in rows]
+        vals = [v[0] for v in vals if v is not None]
+        best[b] = max(vals) if vals else None
+    body = []
+    for i, r in enumerate(rows):
+        label = _title(r.label) if not r.paper else r.label
+        if fmt != "json":
+            label += " †" if r.prior else ""
+            label += " *" if r.flagged else ""
+        cells = []
+        for b in [*benches, "avg"]:
+            c = r.avg if b == "avg" else r.cells.get(b)
+            cells.append((_fmt(c, fmt != "csv" and fmt != "json"), c is not None and best[b] is not None
+                          and math.isclose(c[0], best[b], abs_tol=1e-9)))
+        d = deltas.get(i) if deltas else None
+        seeds = max((c[2] for c in [*r.cells.values(), r.avg] if c), default=0)
+        body.append((label, cells, d, "paper" if r.paper else str(seeds), r))
+    if fmt == "json":
+        return json.dumps({
+            "metric": metric, "n": ns, "benchmarks": list(benches), "mixed_protocols": info["mixed"],
+            "rows": [{"label": lab, "paper": r.paper, "from_prior_work": r.prior, "flagged": r.flagged, "note": r.note,
+                      "cells": {b: (None if (r.avg if b == "avg" else r.cells.get(b)) is None else
+                                    dict(zip(("mean", "std", "seeds"), (r.avg if b == "avg" else r.cells[b]))))
+                                for b in [*benches, "avg"]},
+                      "delta_avg": d} for lab, _, d, _, r in body],
+        }, indent=2)
+    dtxt = lambda d: "–" if d is None else f"{d:+.1f}"  # noqa: E731
+    if fmt == "csv":
+        buf = io.StringIO()
+        w = csv.writer(buf, lineterminator="\n")
+        w.writerow(header)
+        for lab, cells, d, seeds, _ in body:
+            w.writerow([lab, *[c for c, _ in cells], *([dtxt(d)] if deltas else []), seeds])
+        return buf.getvalue()
+    notes = []
+    if any(r.prior for r in rows):
+        notes.append("† copied by the paper from prior work (not run under its recipe)")
+    if any(r.flagged for r in rows):
+        notes.append("* made under a different or reduced protocol: " + "; ".join(
+            f"{_title(r.label)}: {r.note}" for r in rows if r.flagged and r.note))
+    if fmt == "md":
+        lines = [f"Metric: {mlabel} ({n_txt})", "", "| " + " | ".join(header) + " |",
+                 "|" + "|".join(["---"] + [":---:"] * (len(header) - 1)) + "|"]
+        for lab, cells, d, seeds, _ in body:
+            cs = [f"**{c}**" if b else c for c, b in cells]
+            lines.append("| " + " | ".join([lab, *cs, *([dtxt(d)] if deltas else []), seeds]) + " |")
+        return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
+    if fmt == "latex":
+        esc = lambda s: s.replace("%", "\\%").replace("&", "\\&").replace("_", "\\_").replace("±", "$\\pm$").replace("†", "$^\\dagger$").replace("Δ", "$\\Delta$")  # noqa: E731
+        cols = "l" + "c" * (len(header) - 1)
+        out = ["\\begin{table}[t]", "\\centering", f"\\caption{{Accuracy ({esc(mlabel)}, {n_txt}). Best per column in bold.}}",
+               f"\\begin{{tabular}}{{{cols}}}", "\\toprule", " & ".join(esc(h) for h in header) + " \\\\", "\\midrule"]
+        for lab, cells, d, seeds, _ in body:
+            cs = [f"\\textbf{{{esc(c)}}}" if b else esc(c) for c, b in cells]
+            out.append(" & ".join([esc(lab), *cs, *([esc(dtxt(d))] if deltas else []), seeds]) + " \\\\")
+        out += ["\\bottomrule", "\\end{tabular}", "\\end{table}"]
+        return "\n".join(out + [f"% {esc(n)}" for n in notes]) + "\n"
+    raise StareError(f"unknown format '{fmt}'")
+
+
+def print_rich(rows: list[Row], info: dict, deltas, benches=PAPER_ORDER) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    data = json.loads(render(rows, info, "json", deltas, benches))
+    mlabel = {"avg": "avg@N"}.get(info["metric"], info["metric"])
+    t = Table(title=f"Accuracy, {mlabel} (N={'/'.join(map(str, info['ns']))}); best per column in bold")
+    t.add_column("Method")
+    for b in benches:
+        t.add_column(BENCHMARKS[b].title, justify="right")
+    t.add_column("Avg", justify="right")
+    if deltas:
+        t.add_column("Δ Avg", justify="right")
+    t.add_column("seeds", justify="right")
+    md = render(rows, info, "md", deltas, benches).splitlines()
+    table_lines = [ln for ln in md if ln.startswith("| ") and not ln.startswith("| Method")]
+    for ln, r in zip(table_lines, data["rows"]):
+        cells = [c.strip() for c in ln.strip("|").split("|")]
+        cells = [f"[bold]{c[2:-2]}[/bold]" if c.startswith("**") else c for c in cells]
+        t.add_row(*cells, style="dim" if r["paper"] else None)
+    c = Console()
+    c.print(t)
+    for ln in md:
+        if ln.startswith("†") or ln.startswith("*"):
+            c.print(ln)
+
+
+def passk_plot(results: list[Result], out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    benches = [b for b in PAPER_ORDER if any(b in r.metrics for r in results)]
+    if not benches:
+        return []
+    fig, axes = plt.subplots(1, len(benches), figsize=(3.6 * len(benches), 3.2), squeeze=False)
+    for ax, b in zip(axes[0], benches):
+        for r in results:
+            m = r.metrics.get(b)
+            if not m:
+                continue
+            ks = sorted(int(k.split("@")[1]) for k in m if k.startswith("pass@"))
+            ax.plot(ks, [m[f"pass@{k}"] for k in ks], marker="o", label=f"{_title(r.label)} (seed {r.seed})")
+        ax.set_xscale("log", base=2)
+        ax.set_title(BENCHMARKS[b].title)
+        ax.set_xlabel("k")
+        ax.set_ylabel("pass@k (%)")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / "passk.png", out_dir / "passk.svg"]
+    for p in paths:
+        fig.savefig(p, dpi=120)
+    plt.close(fig)
+    return paths

@@ -1,0 +1,128 @@
+"""`stare compare` on synthetic run and result directories: every format against golden files,
+seed aggregation, missing benchmarks, mismatched protocols and the paper's rows.
+
+Regenerate the golden files after an intended change with STARE_UPDATE_GOLDEN=1 and review them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+GOLDEN = REPO / "tests" / "golden"
+BENCHES = ("aime24", "aime25", "amc23", "math500", "minerva", "olympiadbench")
+
+
+def _results(folder: Path, bench: str, avg: float, n: int, temperature=1.0, top_p=0.7, limit=None, model="m", seed=0):
+    d = folder / bench
+    d.mkdir(parents=True, exist_ok=True)
+    metrics = {"n": n, "problems": 10, f"avg@{n}": avg, "pass@1": avg, f"pass@{n}": min(100.0, avg + 20),
+               "maj@1": avg - 1, f"maj@{n}": avg + 5, "len/mean": 100.0, "truncated": 0.0}
+    res = {"benchmark": bench, "settings": {"model": model, "seed": seed, "limit": limit},
+           "protocol": {"n": n, "temperature": temperature, "top_p": top_p, "template": "paper", "max_tokens": 3072},
+           "metrics": metrics}
+    (d / "results.json").write_text(json.dumps(res))
+
+
+def _run(root: Path, method: str, seed: int, scores: dict, n_of=lambda b: 32 if b in BENCHES[:3] else 4, **kw):
+    run = root / f"r__{method}__seed{seed}"
+    (run / "eval" / "step-000100").mkdir(parents=True)
+    (run / "config.yaml").write_text(
+        f"name: short-cot/qwen2.5-math-7b\nmethod:\n  name: {method}\n  stare:\n    h_tgt: 0.3\noptim:\n  seed: {seed}\n")
+    rows = [{"step": s, "entropy": 0.5 - 0.001 * s * (1 if method == "grpo-ds" else 0.3), "reward": 0.3 + 0.001 * s,
+             "full_solve": 0.1, "len/mean": 300 + s} for s in range(1, 101)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for b, v in scores.items():
+        _results(run / "eval" / "step-000100", b, v, n_of(b), **kw)
+    return run
+
+
+@pytest.fixture
+def runs(tmp_path):
+    base = {"aime24": 40.0, "aime25": 20.0, "amc23": 80.0, "math500": 85.0, "minerva": 44.0, "olympiadbench": 45.0}
+    out = []
+    # STARE-O1: two seeds (mean ± std); GRPO-ds: two seeds, minerva missing in one -> still averaged where present
+    out.append(_run(tmp_path, "stare-o1", 1, {b: v + 2 for b, v in base.items()}))
+    out.append(_run(tmp_path, "stare-o1", 2, {b: v + 4 for b, v in base.items()}))
+    out.append(_run(tmp_path, "grpo-ds", 1, base))
+    out.append(_run(tmp_path, "grpo-ds", 2, {b: v for b, v in base.items() if b != "olympiadbench"}))
+    return out
+
+
+@pytest.mark.parametrize("fmt,ext", [("md", "md"), ("latex", "tex"), ("csv", "csv"), ("json", "json")])
+def test_formats_match_golden_files(cli, runs, fmt, ext, tmp_path):
+    code, out, err = cli("compare", *map(str, runs), "--format", fmt, "--paper", "short-cot/qwen2.5-math-7b",
+                         "--baseline", "grpo-ds")
+    assert code == 0, err
+    golden = GOLDEN / f"compare.{ext}"
+    if os.environ.get("STARE_UPDATE_GOLDEN"):
+        golden.parent.mkdir(parents=True, exist_ok=True)
+        golden.write_text(out)
+    assert out == golden.read_text()
+
+
+def test_seed_aggregation_and_missing_benchmark(cli, runs):
+    code, out, _ = cli("compare", *map(str, runs), "--format", "json")
+    data = json.loads(out)
+    stare = next(r for r in data["rows"] if r["label"] == "STARE-O1")
+    # seeds give 42 and 44 on AIME24: mean 43, sample std sqrt(2) = 1.414...
+    assert stare["cells"]["aime24"]["mean"] == pytest.approx(43.0)
+    assert stare["cells"]["aime24"]["std"] == pytest.approx(2 ** 0.5)
+    assert stare["cells"]["aime24"]["seeds"] == 2
+    grpo = next(r for r in data["rows"] if r["label"] == "GRPO-ds")
+    assert grpo["cells"]["olympiadbench"]["seeds"] == 1
+    assert grpo["cells"]["avg"]["seeds"] == 1  # only the seed with all six benchmarks has an Avg
+    code, md, _ = cli("compare", *map(str, runs), "--format", "md")
+    assert "| GRPO-ds |" in md
+
+
+def test_missing_benchmark_shows_dash(cli, tmp_path):
+    run = _run(tmp_path, "grpo-ds", 1, {"aime24": 30.0})
+    code, out, _ = cli("compare", str(run), "--format", "md")
+    line = next(ln for ln in out.splitlines() if ln.startswith("| GRPO-ds"))
+    assert line.count("–") == 6  # five benchmarks and Avg
+
+
+def test_mismatched_protocols_are_flagged_not_averaged(cli, tmp_path):
+    a = _run(tmp_path / "a", "grpo-ds", 1, {"aime24": 30.0})
+    b = _run(tmp_path / "b", "grpo-ds", 2, {"aime24": 50.0}, top_p=1.0)
+    code, out, _ = cli("compare", str(a), str(b), "--format", "json")
+    data = json.loads(out)
+    rows = [r for r in data["rows"] if r["label"] == "GRPO-ds"]
+    assert len(rows) == 2  # two protocols, two rows
+    assert all(r["flagged"] for r in rows) and data["mixed_protocols"] == ["aime24"]
+    assert sorted(r["cells"]["aime24"]["mean"] for r in rows) == [30.0, 50.0]
+    code, md, _ = cli("compare", str(a), str(b), "--format", "md")
+    assert "* made under a different or reduced protocol" in md
+
+
+def test_paper_rows_and_prior_work_marks(cli, runs):
+    code, out, _ = cli("compare", *map(str, runs), "--paper", "short-cot/qwen2.5-math-7b", "--format", "json")
+    rows = json.loads(out)["rows"]
+    paper = {r["label"]: r for r in rows if r["paper"]}
+    assert paper["STARE-O1 (paper)"]["cells"]["aime24"]["mean"] == pytest.approx(44.2)
+    assert paper["STARE-O1 (paper)"]["from_prior_work"] is False
+    assert paper["DAPO (paper)"]["from_prior_work"] is True
+    code, _, err = cli("compare", *map(str, runs), "--paper", "short-cot/qwen2.5-math-8b")
+    assert code == 1 and "did you mean 'short-cot/qwen2.5-math-7b'" in err
+
+
+def test_eval_output_directories_and_plots(cli, tmp_path, runs):
+    ev = tmp_path / "evals" / "some-model"
+    for b in BENCHES:
+        _results(ev, b, 50.0, 4, model="/models/some-model")
+    code, out, err = cli("compare", str(ev), *map(str, runs), "--format", "csv", "--plot", str(tmp_path / "plots"))
+    assert code == 0, err
+    assert "some-model" in out
+    for f in ("dynamics.png", "dynamics.svg", "passk.png", "passk.svg"):
+        assert (tmp_path / "plots" / f).stat().st_size > 1000
+
+
+def test_not_a_run_or_results_dir(cli, tmp_path):
+    code, _, err = cli("compare", str(tmp_path))
+    assert code == 1 and "neither a run directory" in err
