@@ -21,7 +21,7 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Iterable, Optional
 
-MAX_RESPONSE_CHARS = 20_000  # the answer is at the end; longer responses are cut from the front
+MAX_RESPONSE_CHARS = 20_000  # the fallbacks (no \boxed{}) look only at the end of a response
 MAX_ANSWER_CHARS = 1_000
 
 
@@ -45,8 +45,9 @@ _SCI = re.compile(r"(?<![\w.])(-?\d+(?:\.\d+)?)[eE]([-+]?\d+)(?![\w.])")
 
 def last_boxed(text: str) -> Optional[str]:
     """Content of the last \\boxed{...} with balanced braces (None if none closes)."""
-    for m in reversed(list(_BOX.finditer(text))):
-        depth, i = 1, m.end()
+    starts = [m.end() for m in _BOX.finditer(text)]
+    for start in reversed(starts[-50:]):  # bounded work on adversarial text
+        depth, i = 1, start
         while i < len(text):
             c = text[i]
             if c == "{":
@@ -54,7 +55,7 @@ def last_boxed(text: str) -> Optional[str]:
             elif c == "}":
                 depth -= 1
                 if depth == 0:
-                    return text[m.end() : i].strip()
+                    return text[start:i].strip()
             i += 1
     return None
 
@@ -64,8 +65,8 @@ def extract_answer(response: str, boxed_only: bool = False) -> tuple[Optional[st
 
     boxed_only: no fallbacks (training rewards grade the final \\boxed{} only).
     """
-    text = response[-MAX_RESPONSE_CHARS:]
-    boxed = last_boxed(text)
+    boxed = last_boxed(response)
+    text = response[-MAX_RESPONSE_CHARS:]  # fallbacks look at the end only
     if boxed is not None:
         return boxed, "boxed"
     if boxed_only:
@@ -83,6 +84,8 @@ def _normalise(s: str) -> str:
     s = s.strip()
     if len(s) >= 2 and s.startswith("$") and s.endswith("$"):
         s = s.strip("$").strip()
+    # A trailing percent sign is dropped on both sides, as in the Qwen2.5-Math evaluation: "50\%" == "50".
+    s = re.sub(r"\\?%\s*$", "", s).strip()
     return _SCI.sub(lambda m: f"{m.group(1)}\\times10^{{{m.group(2)}}}", s)
 
 

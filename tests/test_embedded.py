@@ -28,14 +28,14 @@ FAST = [
 
 @pytest.fixture(scope="session")
 def quick_toy(tmp_path_factory):
-    """The toy model after a short warm-up (80 steps): it writes boxed answers, some right."""
+    """The toy model after a short warm-up (250 steps): it writes boxed answers, some right."""
     from stare_cli.toy import build_model, build_tokenizer, sft
 
     path = tmp_path_factory.mktemp("quick_toy")
     torch.set_num_threads(1)
     tok = build_tokenizer()
     model = build_model(len(tok), seed=0)
-    sft(model, tok, steps=80, batch=32, lr=3e-3, seed=0, log_every=0)
+    sft(model, tok, steps=250, batch=32, lr=3e-3, seed=0, log_every=0)
     model.save_pretrained(path, safe_serialization=True)
     tok.save_pretrained(path)
     return path
@@ -53,19 +53,20 @@ def _train(cli, tmp_path, model_dir, method, *extra):
 
 @pytest.mark.parametrize("method", list(METHODS))
 def test_every_method_trains_on_the_toy(cli, tmp_path, quick_toy, method):
-    run = _train(cli, tmp_path, quick_toy, method, "optim.total_steps=2", "method.dynamic_sampling=false")
+    run = _train(cli, tmp_path, quick_toy, method, "optim.total_steps=3", "method.dynamic_sampling=false")
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
         assert torch.isfinite(torch.tensor(r["loss"])), r
-        assert r["grad_norm"] > 0
+    assert any(r["grad_norm"] > 0 for r in rows)  # a step whose groups all score 0 has no gradient
     before = load_file(str(quick_toy / "model.safetensors"))
     after = load_file(str(run / "checkpoints" / "latest" / "model.safetensors"))
     assert any(not torch.equal(before[k], after[k]) for k in before), "parameters did not change"
     if METHODS[method].stare:
-        assert rows[0]["stare/gate"] == 1.0 and rows[0]["stare/sel_pos"] > 0  # H_tgt 10: gate on
+        assert all(r["stare/gate"] == 1.0 for r in rows)  # H_tgt 10: the gate is on
+        assert any(r["stare/sel_pos"] > 0 for r in rows)
         if method == "stare-c2":
-            assert rows[0]["stare/sel_neg"] > 0
+            assert any(r["stare/sel_neg"] > 0 for r in rows)
     cfg = (run / "config.yaml").read_text()
     assert f"name: {method}" in cfg
 

@@ -386,20 +386,30 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume_dir: Optional[Path]
                 mask = mask * fin[:, None]
             adv = adv_seq.to(device)[:, None] * mask
 
-            # ---- 4. old log-probs and entropies, one no-grad forward (in micro-batches)
+            # ---- 4. old log-probs and entropies, one no-grad forward (in micro-batches). On-policy
+            # with a single micro-batch the training forward itself gives them (detached): one
+            # forward instead of two, the same numbers.
             t_train0 = time.perf_counter()
-            model.eval()
-            with torch.no_grad():
-                olds, ents = [], []
-                for i in range(0, len(samples), O.micro_batch_size):
-                    sl = slice(i, i + O.micro_batch_size)
-                    with (amp if amp else _null()):
-                        lp, en = token_logprobs_entropy(model, batch["input_ids"][sl], batch["attention_mask"][sl],
-                                                        batch["resp_start"], R.temperature)
-                    olds.append(lp.float())
-                    ents.append(en.float())
-                old_logp, entropy = torch.cat(olds), torch.cat(ents)
-            model.train()
+            resp_per_mini = O.mini_batch_size * R.n
+            fused = O.ppo_epochs == 1 and len(samples) <= min(resp_per_mini, O.micro_batch_size)
+            if fused:
+                with (amp if amp else _null()):
+                    lp_cur, en_cur = token_logprobs_entropy(model, batch["input_ids"], batch["attention_mask"],
+                                                            batch["resp_start"], R.temperature)
+                old_logp, entropy = lp_cur.detach().float(), en_cur.detach().float()
+            else:
+                model.eval()
+                with torch.no_grad():
+                    olds, ents = [], []
+                    for i in range(0, len(samples), O.micro_batch_size):
+                        sl = slice(i, i + O.micro_batch_size)
+                        with (amp if amp else _null()):
+                            lp, en = token_logprobs_entropy(model, batch["input_ids"][sl], batch["attention_mask"][sl],
+                                                            batch["resp_start"], R.temperature)
+                        olds.append(lp.float())
+                        ents.append(en.float())
+                    old_logp, entropy = torch.cat(olds), torch.cat(ents)
+                model.train()
             H = float((entropy * mask).sum() / mask.sum().clamp(min=1))
             metrics["entropy"] = H
 
@@ -422,7 +432,6 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume_dir: Optional[Path]
             gen = torch.Generator().manual_seed(O.seed * 7919 + step)
             stats_acc: dict[str, list[float]] = {}
             grad_norms = []
-            resp_per_mini = O.mini_batch_size * R.n
             order = list(range(len(samples)))
             for _epoch in range(O.ppo_epochs):
                 for m0 in range(0, len(order), resp_per_mini):
@@ -433,9 +442,12 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume_dir: Optional[Path]
                     opt.zero_grad(set_to_none=True)
                     for u0 in range(0, len(mini), O.micro_batch_size):
                         idx = mini[u0 : u0 + O.micro_batch_size]
-                        with (amp if amp else _null()):
-                            lp, en = token_logprobs_entropy(model, batch["input_ids"][idx], batch["attention_mask"][idx],
-                                                            batch["resp_start"], R.temperature, need_entropy=need_ent)
+                        if fused:
+                            lp, en = lp_cur, en_cur
+                        else:
+                            with (amp if amp else _null()):
+                                lp, en = token_logprobs_entropy(model, batch["input_ids"][idx], batch["attention_mask"][idx],
+                                                                batch["resp_start"], R.temperature, need_entropy=need_ent)
                         a_mb = adv[idx]
                         if spec.stare and mcfg.stare.scope == "micro_batch":
                             a_mb = a_mb * controller.weights(a_mb, old_logp[idx], mask[idx])
