@@ -41,6 +41,8 @@ recipes_app = typer.Typer(help="List, show and validate recipes.", no_args_is_he
 toy_app = typer.Typer(help="The CPU toy: a tiny model and task built locally.", no_args_is_help=True)
 app.add_typer(recipes_app, name="recipes", rich_help_panel="Recipes and methods")
 app.add_typer(toy_app, name="toy", rich_help_panel="Training")
+data_app = typer.Typer(help="Prepare data for the verl backend.", no_args_is_help=True)
+app.add_typer(data_app, name="data", rich_help_panel="Training")
 
 
 class Backend(str, Enum):
@@ -96,6 +98,9 @@ def train(
     emit_script: Annotated[
         Optional[Path], typer.Option(help="verl: write a `ray job submit` script instead of launching.")
     ] = None,
+    data_dir: Annotated[
+        Optional[Path], typer.Option(help="verl: parquet folder from `stare data prepare` (default data/<recipe>).")
+    ] = None,
 ) -> None:
     """Train one method under one recipe."""
     from stare_cli.recipes import load_recipe
@@ -116,9 +121,14 @@ def train(
     else:
         cfg = load_recipe(recipe, method, overrides)
     if cfg.backend.name == "verl":
-        raise NotImplementedYet(
-            "the verl backend is not implemented yet", hint="use --backend embedded (the default)"
-        )
+        from stare_cli.backends import verl_backend
+
+        if resume is not None:
+            raise StareError("--resume applies to embedded runs", hint="verl resumes itself (trainer.resume_mode=auto)")
+        run_dir = verl_backend.run(cfg, out, dry_run=dry_run, emit_script=emit_script, data_dir=data_dir)
+        if run_dir is not None:
+            typer.echo(str(run_dir))
+        return
     if dry_run or emit_script:
         raise StareError("--dry-run and --emit-script apply to the verl backend", hint="add --backend verl")
     from stare_cli.backends.embedded import train as embedded_train
@@ -327,6 +337,23 @@ def recipes_validate(
         for m in meths:
             load_recipe(name, m)
         typer.echo(f"ok  {name}")
+
+
+# ------------------------------------------------------------------------------------------ data
+@data_app.command("prepare")
+def data_prepare(
+    recipe: Annotated[str, typer.Option("--recipe", "-r", help="Recipe name or YAML path.")],
+    out: Annotated[Optional[Path], typer.Option(help="Output folder (default data/<recipe>).")] = None,
+    limit: Annotated[Optional[int], typer.Option(min=1, help="Only the first K rows of each file.")] = None,
+    override: OverrideOpt = None,
+) -> None:
+    """Write verl parquet files (train + the recipe's benchmarks)."""
+    from stare_cli.backends.verl_backend import prepare_data
+    from stare_cli.recipes import load_recipe
+
+    cfg = load_recipe(recipe, None, override)
+    for p in prepare_data(cfg, out or Path("data") / cfg.name.replace("/", "-"), limit):
+        typer.echo(str(p))
 
 
 # ------------------------------------------------------------------------------------------- toy

@@ -160,7 +160,7 @@ def test_methods_lists_registry(cli):
 
 
 def test_unbuilt_commands_fail_honestly(cli, tmp_path):
-    code, _, err = cli("train", "--recipe", "tiny/arith", "--backend", "verl")
+    code, _, err = cli("eval", "--bench", "aime24", "--model", "x", "--harness", "lm-eval")
     assert code == 1 and "not implemented yet" in err
 
 

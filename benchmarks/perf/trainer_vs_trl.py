@@ -1,0 +1,121 @@
+"""Our embedded step against TRL's GRPOTrainer on the same tiny model, data, group size, batch and
+lengths, both on CPU with one torch thread, alternating runs in one invocation. Prints the ratio.
+
+TRL lives in its own virtual environment, because verl 0.9.1 breaks when trl 1.x is importable
+beside it (our test environment has verl). Create it once with:
+
+    python benchmarks/perf/trainer_vs_trl.py --setup        # makes .venv-trl (torch CPU, trl, this package)
+    python benchmarks/perf/trainer_vs_trl.py [--steps 10 --rounds 2]
+
+Both sides: the warmed-up toy model, 16 prompts x 8 samples per step, at most 56 new tokens,
+temperature 1, one optimizer step per batch, GRPO advantages, no dynamic sampling, lr 2e-4.
+Goal (issue: embedded trainer): ours >= 1.5x TRL's throughput (samples per second).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+TRL_VENV = REPO / ".venv-trl"
+PROMPTS, N, MAX_NEW = 16, 8, 56
+
+TRL_WORKER = r'''
+import json, sys, time, torch
+torch.set_num_threads(1)
+from datasets import Dataset
+from trl import GRPOConfig, GRPOTrainer
+from transformers import Qwen2ForCausalLM, TrainerCallback
+from benchmarks.engines import load_tokenizer
+from benchmarks.grading import Grader
+from stare_cli.toy import problems
+model_dir, steps, out_dir = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+tok = load_tokenizer(model_dir)
+rows = problems(4000, seed=1000)
+ds = Dataset.from_list([{"prompt": r["problem"] + "\n", "answer": r["answer"]} for r in rows])
+grader = Grader(workers=0, boxed_only=True)
+def reward(completions, answer, **kw):
+    return [float(v.correct) for v in grader.grade_many(completions, answer)]
+times = []
+class T(TrainerCallback):
+    def on_step_begin(self, a, s, c, **k): self.t = time.perf_counter()
+    def on_step_end(self, a, s, c, **k): times.append(time.perf_counter() - self.t)
+args = GRPOConfig(output_dir=out_dir, per_device_train_batch_size=%(bs)d, num_generations=%(n)d,
+                  max_completion_length=%(max_new)d, learning_rate=2e-4, max_steps=steps, logging_steps=1000,
+                  save_strategy="no", report_to=[], use_cpu=True, temperature=1.0, top_p=1.0, beta=0.0,
+                  gradient_accumulation_steps=1, num_iterations=1, bf16=False, dataloader_num_workers=0,
+                  seed=1)
+trainer = GRPOTrainer(model=Qwen2ForCausalLM.from_pretrained(model_dir), reward_funcs=[reward], args=args,
+                      train_dataset=ds, processing_class=tok, callbacks=[T()])
+trainer.train()
+print(json.dumps({"step_times": times}))
+''' % {"bs": PROMPTS * N, "n": N, "max_new": MAX_NEW}
+
+
+def setup() -> None:
+    py = TRL_VENV / "bin" / "python"
+    if not py.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(TRL_VENV)], check=True)
+    pip = [str(py), "-m", "pip", "install", "-q"]
+    subprocess.run([*pip, "torch==2.13.0"], check=True)
+    subprocess.run([*pip, "trl>=0.20", "transformers>=5.5.3,<5.11"], check=True)
+    subprocess.run([*pip, "-e", str(REPO)], check=True)
+
+
+def ours(model_dir: str, steps: int, out: Path) -> list[float]:
+    cmd = [sys.executable, "-m", "stare_cli", "train", "--recipe", "tiny/arith", "--method", "grpo", "--out", str(out),
+           "-o", f"model.path={model_dir}", "-o", f"optim.total_steps={steps}", "-o", f"optim.train_batch_size={PROMPTS}",
+           "-o", f"rollout.gen_batch_size={PROMPTS}", "-o", f"rollout.n={N}", "-o", f"rollout.max_response_tokens={MAX_NEW}",
+           "-o", "eval.benchmarks=[]", "-o", "checkpoint.every=0", "-o", "logging.samples_every=0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
+    if run.returncode:
+        raise SystemExit(run.stderr[-2000:])
+    run_dir = Path(run.stdout.strip().splitlines()[-1])
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["time/step"] for r in rows]
+
+
+def trl(model_dir: str, steps: int, out: Path, python: Path) -> list[float]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    run = subprocess.run([str(python), "-c", TRL_WORKER, model_dir, str(steps), str(out)], capture_output=True,
+                         text=True, env=env, cwd=REPO)
+    if run.returncode:
+        raise SystemExit(run.stderr[-3000:])
+    return json.loads(run.stdout.strip().splitlines()[-1])["step_times"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--setup", action="store_true")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--trl-python", type=Path, default=TRL_VENV / "bin" / "python")
+    ap.add_argument("--out", type=Path, default=Path("/tmp/stare-perf-trl"))
+    args = ap.parse_args()
+    if args.setup:
+        setup()
+        return
+    if not args.trl_python.exists():
+        raise SystemExit(f"{args.trl_python} not found: run with --setup first")
+    from stare_cli.toy import ensure_toy_model
+
+    model_dir = str(ensure_toy_model("arith", threads=1))
+    res = {"ours": [], "trl": []}
+    for r in range(args.rounds):  # alternate: drift on a shared machine hits both alike
+        res["ours"] += ours(model_dir, args.steps, args.out / f"ours{r}")[1:]  # first step warms up
+        res["trl"] += trl(model_dir, args.steps, args.out / f"trl{r}", args.trl_python)[1:]
+    med = {k: sorted(v)[len(v) // 2] for k, v in res.items()}
+    for k, v in med.items():
+        print(f"{k:5s} median step {v:.2f} s  -> {PROMPTS * N / v:.1f} samples/s  ({len(res[k])} steps)")
+    print(f"throughput ratio ours / TRL = {med['trl'] / med['ours']:.2f}x (goal >= 1.5)")
+
+
+if __name__ == "__main__":
+    main()
