@@ -57,6 +57,8 @@ BENCHMARKS: dict[str, BenchmarkSpec] = {
         BenchmarkSpec("math500", "MATH-500", "HuggingFaceH4/MATH-500", "test", n=4, size=500),
         BenchmarkSpec("minerva", "Minerva", "math-ai/minervamath", "test", n=4, size=272),
         BenchmarkSpec("olympiadbench", "OlympiadBench", "math-ai/olympiadbench", "test", n=4, size=674),
+        # The CPU toy's held-out set (generated locally, disjoint seed from training).
+        BenchmarkSpec("toy:arith", "Toy arith", "", "", n=1, size=256, temperature=1.0, top_p=1.0, max_tokens=56),
     ]
 }
 
@@ -90,6 +92,12 @@ def _pick(row: dict, fields: tuple[str, ...], what: str, name: str) -> str:
 def load_benchmark(name: str, limit: Optional[int] = None, data_file: Optional[str] = None) -> list[dict]:
     """Rows {'problem', 'answer', 'idx'}: from data_file, $STARE_DATA_DIR/<name>.jsonl, or the hub."""
     spec = check_benchmark(name)
+    if name.startswith("toy:"):
+        from stare_cli.toy import problems
+
+        rows = [{"idx": i, "problem": r["problem"], "answer": r["answer"]}
+                for i, r in enumerate(problems(limit or spec.size, seed=999_999))]
+        return rows
     path = Path(data_file) if data_file else None
     if path is None and os.environ.get("STARE_DATA_DIR"):
         cand = Path(os.environ["STARE_DATA_DIR"]) / f"{name}.jsonl"

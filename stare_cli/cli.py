@@ -171,7 +171,15 @@ def eval_cmd(
 ) -> None:
     """Evaluate a model on math benchmarks (avg@N, pass@k, maj@k)."""
     if harness == Harness.lm_eval:
-        raise NotImplementedYet("the lm-eval bridge is not implemented yet", hint="use --harness native")
+        from benchmarks import lm_eval_bridge
+        from benchmarks.evaluate import resolve_model
+        from benchmarks.registry import expand
+
+        path, _ = resolve_model(model)
+        res = lm_eval_bridge.run(path, expand(bench), out or Path("evals") / "lm-eval", n, limit, temperature, top_p,
+                                 max_tokens, data_file, chat_template=template == Template.paper)
+        typer.echo(json.dumps(res, indent=2))
+        return
     from benchmarks.evaluate import run_eval
 
     results = run_eval(model, bench, engine.value, n, limit, out, template.value, temperature, top_p, max_tokens,
@@ -223,9 +231,10 @@ def compare(
     if metric != "avg" and not re.fullmatch(r"(pass|maj)@\d+", metric):
         raise StareError(f"unknown metric '{metric}'", hint="avg, pass@k or maj@k (k a number)")
     results = C.load_inputs(runs)
-    rows, info = C.build_rows(results, metric)
+    cols = C.columns(results, with_paper=paper is not None)
+    rows, info = C.build_rows(results, metric, cols)
     if paper:
-        rows = rows + C.paper_rows(paper)
+        rows = rows + C.paper_rows(paper, cols)
         if metric != "avg":
             raise StareError("--paper rows are avg@N only", hint="use --metric avg with --paper")
     deltas = C.add_delta(rows, baseline)
@@ -248,9 +257,9 @@ def compare(
         for p in made:
             print(f"wrote {p}", file=sys.stderr)
     if fmt == Format.table and out is None:
-        C.print_rich(rows, info, deltas)
+        C.print_rich(rows, info, deltas, cols)
         return
-    text = C.render(rows, info, "md" if fmt == Format.table else fmt.value, deltas)
+    text = C.render(rows, info, "md" if fmt == Format.table else fmt.value, deltas, cols)
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text)

@@ -49,7 +49,9 @@ class Result:
 
 def _protocol(res: dict) -> tuple:
     p, s = res["protocol"], res["settings"]
-    return (p["n"], p["temperature"], p["top_p"], p["template"], p["max_tokens"], s.get("limit") is not None)
+    spec = BENCHMARKS.get(res["benchmark"])
+    limited = s.get("limit") is not None and (spec is None or res["metrics"].get("problems", 0) < spec.size)
+    return (p["n"], p["temperature"], p["top_p"], p["template"], p["max_tokens"], limited)
 
 
 def _collect_results(folder: Path) -> dict[str, dict]:
@@ -105,6 +107,14 @@ class Row:
     prior: bool = False
     flagged: bool = False
     note: str = ""
+
+
+def columns(results: list[Result], with_paper: bool) -> tuple[str, ...]:
+    """The six benchmarks in the paper's order (all six when any is present or beside the paper;
+    missing ones show as '–'), then any other benchmark present (e.g. the toy's)."""
+    present = {b for r in results for b in r.metrics}
+    six = list(PAPER_ORDER) if with_paper or present & set(PAPER_ORDER) else []
+    return tuple(six + sorted(present - set(PAPER_ORDER))) or PAPER_ORDER
 
 
 def build_rows(results: list[Result], metric: str = "avg", benches: tuple[str, ...] = PAPER_ORDER) -> tuple[list[Row], dict]:
@@ -167,7 +177,7 @@ def paper_rows(scenario: str, benches: tuple[str, ...] = PAPER_ORDER) -> list[Ro
     for rec in csv.DictReader(io.StringIO(text)):
         if rec["scenario"] != sc or rec["base_model"] != model:
             continue
-        cells = {b: ((float(rec[b]), 0.0, 0) if rec[b] else None) for b in benches}
+        cells = {b: ((float(rec[b]), 0.0, 0) if rec.get(b) else None) for b in benches}
         avg = (float(rec["avg"]), 0.0, 0) if rec["avg"] else None
         rows.append(Row(f"{rec['method']} (paper)", cells, avg, paper=True, prior=rec["from_prior_work"] == "yes"))
     return rows
@@ -301,7 +311,8 @@ def passk_plot(results: list[Result], out_dir: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    benches = [b for b in PAPER_ORDER if any(b in r.metrics for r in results)]
+    present = {b for r in results for b in r.metrics}
+    benches = [b for b in PAPER_ORDER if b in present] + sorted(present - set(PAPER_ORDER))
     if not benches:
         return []
     fig, axes = plt.subplots(1, len(benches), figsize=(3.6 * len(benches), 3.2), squeeze=False)

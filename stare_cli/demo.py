@@ -29,7 +29,9 @@ def summarize(rows: list[dict], h_tgt: float) -> dict:
     ent = [r["entropy"] for r in train]
     half = ent[len(ent) // 2 :]
     tail = ent[-max(5, len(ent) // 5) :]
-    head_tail = ent[-2 * len(tail) : -len(tail)] or tail
+    xs = list(range(len(half)))
+    mx, my = sum(xs) / len(xs), sum(half) / len(half)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, half)) / max(sum((x - mx) ** 2 for x in xs), 1e-12)
     evals = [r for r in rows if any(k.startswith("eval/") and k.endswith("/acc") for k in r)]
     last_eval = evals[-1] if evals else {}
     acc = next((v for k, v in last_eval.items() if k.startswith("eval/") and k.endswith("/acc")), None)
@@ -40,7 +42,8 @@ def summarize(rows: list[dict], h_tgt: float) -> dict:
         "entropy_2nd_half_min": min(half),
         "entropy_2nd_half_max": max(half),
         "entropy_2nd_half_mean": sum(half) / len(half),
-        "still_falling": sum(tail) / len(tail) < sum(head_tail) / len(head_tail) - 1e-3,
+        "slope_2nd_half_per_100": 100 * slope,  # least-squares trend of the entropy over the second half
+        "still_falling": 100 * slope < -0.01,
         "gate_on_share": sum(r.get("stare/gate", 0.0) for r in train) / len(train),
         "eval_acc": acc,
         "train_reward_last": sum(r["reward"] for r in train[-10:]) / len(train[-10:]),
@@ -62,6 +65,7 @@ def run_demo(out: Path, steps: Optional[int] = None, seed: int = 1, methods=DEMO
     if steps:
         base.append(f"optim.total_steps={steps}")
     cfg = load_recipe(DEMO_RECIPE, methods[0], base)
+    t_start = time.time()
     ensure_toy_model("arith", threads=1)  # once, before the parallel runs share it
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
@@ -97,17 +101,20 @@ def run_demo(out: Path, steps: Optional[int] = None, seed: int = 1, methods=DEMO
 
     t = Table(title=f"STARE demo on the CPU toy (seed {seed}, {cfg.optim.total_steps} steps, H_tgt {h_tgt:g}, "
                     f"W {cfg.method.stare.W:g}, P {cfg.method.stare.P:g})")
-    for col in ("method", "eval acc", "entropy start", "entropy end", "2nd-half band", "still falling", "gate on"):
+    for col in ("method", "eval acc", "entropy start", "entropy end", "2nd-half band", "2nd-half trend /100 steps",
+                "gate on"):
         t.add_column(col)
     for m, s in summ.items():
         acc = "–" if s.get("eval_acc") is None else f"{s['eval_acc']:.3f}"
         t.add_row(m, acc, f"{s['entropy_start']:.3f}", f"{s['entropy_end']:.3f}",
                   f"[{s['entropy_2nd_half_min']:.3f}, {s['entropy_2nd_half_max']:.3f}]",
-                  "yes" if s["still_falling"] else "no", f"{100 * s['gate_on_share']:.0f}%")
+                  f"{s['slope_2nd_half_per_100']:+.3f}", f"{100 * s['gate_on_share']:.0f}%")
     Console().print(t)
     print(f"plots: {', '.join(str(p) for p in plots)}")
-    print(f"runs: {', '.join(str(d) for d in run_dirs.values())}  ({elapsed:.0f}s)")
-    result = {"seed": seed, "elapsed_s": elapsed, "runs": {m: str(d) for m, d in run_dirs.items()}, "summary": summ,
+    total = time.time() - t_start
+    print(f"runs: {', '.join(str(d) for d in run_dirs.values())}")
+    print(f"time: {total:.0f} s in all ({total - elapsed:.0f} s toy warm-up or cache check, {elapsed:.0f} s training)")
+    result = {"seed": seed, "elapsed_s": elapsed, "total_s": total, "runs": {m: str(d) for m, d in run_dirs.items()}, "summary": summ,
               "plots": [str(p) for p in plots]}
     (out / f"demo-seed{seed}.json").write_text(json.dumps(result, indent=2))
     return result

@@ -177,3 +177,33 @@ def test_eval_killed_midway_resumes_to_the_same_results(cli, tmp_path, tiny_mode
     assert a["metrics"] == b["metrics"]
     strip = lambda p: sorted((r["idx"], r["sample"], r["response"]) for r in map(json.loads, p.read_text().splitlines()))  # noqa: E731
     assert strip(ref_out / "math500" / "samples.jsonl") == strip(samples)
+
+
+def test_lm_eval_task_files_point_at_the_same_data_and_grader(tmp_path):
+    import yaml
+
+    from benchmarks.lm_eval_bridge import UTILS, write_tasks
+
+    class _Loader(yaml.SafeLoader):
+        pass
+
+    _Loader.add_constructor("!function", lambda loader, node: f"!function {loader.construct_scalar(node)}")
+    import os
+
+    os.environ["STARE_DATA_DIR"] = str(BENCH_DATA)
+    try:
+        names = write_tasks(["aime24", "math500"], tmp_path, None, None, None, None)
+    finally:
+        del os.environ["STARE_DATA_DIR"]
+    assert names == ["stare_aime24", "stare_math500"]
+    t = yaml.load((tmp_path / "stare_aime24.yaml").read_text(), Loader=_Loader)
+    assert t["repeats"] == 32 and t["generation_kwargs"]["temperature"] == 1.0 and t["generation_kwargs"]["top_p"] == 0.7
+    assert t["dataset_kwargs"]["data_files"]["test"] == str((BENCH_DATA / "aime24.jsonl").resolve())
+    assert t["filter_list"][0]["filter"][0] == {"function": "take_first_k", "k": 32}
+    assert yaml.load((tmp_path / "stare_math500.yaml").read_text(), Loader=_Loader)["repeats"] == 4
+    # The generated utils grade with our grader: run its process_results on a hand-made doc.
+    ns: dict = {}
+    exec(UTILS, ns)
+    doc = {"problem": "What is 1/2?", "answer": "\\frac12"}
+    assert ns["process_results"](doc, [["\\boxed{0.5}", "\\boxed{3}"]]) == {"avg_at_n": 50.0, "pass_at_n": 100.0}
+    assert ns["doc_to_text"](doc).endswith(INSTRUCTION)

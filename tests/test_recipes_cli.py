@@ -159,9 +159,9 @@ def test_methods_lists_registry(cli):
     ]
 
 
-def test_unbuilt_commands_fail_honestly(cli, tmp_path):
-    code, _, err = cli("eval", "--bench", "aime24", "--model", "x", "--harness", "lm-eval")
-    assert code == 1 and "not implemented yet" in err
+def test_vllm_rollout_in_the_embedded_trainer_fails_honestly(cli):
+    code, _, err = cli("train", "--recipe", "tiny/arith", "-o", "rollout.engine=vllm")
+    assert code == 1 and "not wired into the embedded trainer yet" in err
 
 
 def test_debug_env_shows_traceback():

@@ -298,9 +298,6 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume_dir: Optional[Path]
     engine = HFEngine(model, tok, batch_size=max(1, R.gen_batch_size * R.n), max_prompt_tokens=R.max_prompt_tokens)
     grader = Grader(workers=0, boxed_only=True)  # rewards: the final \boxed{} answer only
     eval_grader = Grader(workers=0)  # evaluation: with the fallbacks users expect (stare eval's grader)
-    eval_rows = None
-    if cfg.eval.benchmarks:
-        eval_rows = {b: _eval_rows(b, cfg) for b in cfg.eval.benchmarks}
     wb = _wandb_init(cfg, run_dir)
     log = StepLog(O.total_steps, step)
     amp = (torch.autocast(device.type, dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[O.precision])
@@ -481,8 +478,8 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume_dir: Optional[Path]
                     for s, (_, r, c, g) in zip(samples[:64], kept[:64]):
                         f.write(json.dumps({"group": g, "reward": r, "correct": c, "finished": s.finished,
                                             "response": s.text}) + "\n")
-            if eval_rows and ((cfg.eval.every and step % cfg.eval.every == 0) or step == O.total_steps):
-                metrics.update(_evaluate(engine, eval_grader, eval_rows, cfg, tok, use_chat, step, run_dir))
+            if cfg.eval.benchmarks and ((cfg.eval.every and step % cfg.eval.every == 0) or step == O.total_steps):
+                metrics.update(_evaluate(engine, eval_grader, cfg.eval.benchmarks, cfg, tok, use_chat, step, run_dir))
             _finish_step(run_dir, step, metrics, t_step, t_gen, t_score, t_train, log, wb)
             if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == O.total_steps:
                 state = {"step": step, "cursor": cursor, "controller": controller.state_dict(), "method": spec.name}
@@ -514,48 +511,26 @@ def _finish_step(run_dir, step, metrics, t_step, t_gen, t_score, t_train, log, w
         wb.log(metrics, step=step)
 
 
-def _eval_rows(bench: str, cfg: Recipe) -> list[dict]:
-    """Problems of an evaluation benchmark (the toy's held-out set, or a registered benchmark)."""
-    if bench.startswith("toy:"):
-        from stare_cli.toy import problems
-
-        return [{"problem": r["problem"], "answer": r["answer"]} for r in problems(cfg.eval.limit or 256, seed=999_999)]
-    from benchmarks.registry import load_benchmark
-
-    return load_benchmark(bench, limit=cfg.eval.limit)
-
-
-def _evaluate(engine, eval_grader, eval_rows, cfg: Recipe, tok, use_chat, step: int, run_dir: Path) -> dict:
-    """avg@n accuracy, mean response length and token-free entropy proxy per benchmark."""
-    from benchmarks.engines import SamplingParams
-    from benchmarks.templates import build_prompt
+def _evaluate(engine, eval_grader, benches: list[str], cfg: Recipe, tok, use_chat, step: int, run_dir: Path) -> dict:
+    """Evaluate the live model with `stare eval`'s engine and grader; results land in
+    run_dir/eval/step-N/<bench>/ (results.json, samples.jsonl) and the metrics row gets
+    eval/<bench>/acc (avg@n as a fraction) and eval/<bench>/len."""
+    from benchmarks.evaluate import EvalSettings, evaluate_benchmark
+    from benchmarks.registry import check_benchmark
 
     out = {}
-    for bench, rows in eval_rows.items():
-        n = cfg.eval.n or _protocol_n(bench)
-        prompts = [build_prompt(r["problem"], cfg.data.template.value if bench.startswith("toy:") else "paper", tok, use_chat)
-                   for r in rows]
-        sp = SamplingParams(n=n, temperature=cfg.eval.temperature, top_p=cfg.eval.top_p, top_k=-1,
-                            max_new_tokens=cfg.eval.max_tokens or cfg.rollout.max_response_tokens, seed=cfg.optim.seed + 17)
-        groups = engine.generate(prompts, sp)
-        texts = [s.text for g in groups for s in g]
-        golds = [r["answer"] for r, g in zip(rows, groups) for _ in g]
-        fins = [s.finished for g in groups for s in g]
-        verdicts = eval_grader.grade_many(texts, golds)
-        acc = sum(v.correct and f for v, f in zip(verdicts, fins)) / max(len(verdicts), 1)
-        out[f"eval/{bench}/acc"] = acc
-        out[f"eval/{bench}/len"] = sum(len(s.response_ids) for g in groups for s in g) / max(len(texts), 1)
-        out[f"eval/{bench}/n"] = n
+    for bench in benches:
+        spec = check_benchmark(bench)
+        s = EvalSettings(model=f"{run_dir}@step-{step}", bench=bench, template=cfg.data.template.value,
+                         n=cfg.eval.n or spec.n, temperature=cfg.eval.temperature, top_p=cfg.eval.top_p,
+                         max_tokens=cfg.eval.max_tokens or cfg.rollout.max_response_tokens, seed=cfg.optim.seed,
+                         engine="hf", limit=cfg.eval.limit)
+        res = evaluate_benchmark(engine, tok, s, run_dir / "eval" / f"step-{step:06d}" / bench.replace(":", "-"),
+                                 eval_grader, use_chat_template=use_chat)
+        m = res["metrics"]
+        out[f"eval/{bench}/acc"] = m[f"avg@{m['n']}"] / 100
+        out[f"eval/{bench}/len"] = m["len/mean"]
     return out
-
-
-def _protocol_n(bench: str) -> int:
-    try:
-        from benchmarks.registry import BENCHMARKS
-
-        return BENCHMARKS[bench].n
-    except (ImportError, KeyError):
-        return 1
 
 
 def _wandb_init(cfg: Recipe, run_dir: Path):
