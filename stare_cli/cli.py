@@ -381,12 +381,17 @@ def toy_init(
 def demo(
     out: Annotated[Path, typer.Option(help="Parent directory of the demo's runs.")] = Path("runs/demo"),
     steps: Annotated[Optional[int], typer.Option(min=1, help="Training steps per method.")] = None,
-    seed: Annotated[int, typer.Option(min=0, help="Seed shared by both methods.")] = 1,
+    seed: Annotated[Optional[list[int]], typer.Option(min=0, help="Seed shared by both methods; repeat for several.")] = None,
 ) -> None:
     """The main job on CPU: GRPO-ds vs STARE-O1 on the toy, then a table and the dynamics plot."""
-    from stare_cli.demo import run_demo
+    from stare_cli.demo import run_demo, seeds_table
 
-    run_demo(out=out, steps=steps, seed=seed)
+    seeds = seed or [1]
+    results = [run_demo(out=out / f"seed{s}" if len(seeds) > 1 else out, steps=steps, seed=s) for s in seeds]
+    if len(seeds) > 1:
+        table = seeds_table(results)
+        (out / "seeds.md").write_text(table)
+        typer.echo(table)
 
 
 # ------------------------------------------------------------------------------------------ main

@@ -118,3 +118,27 @@ def run_demo(out: Path, steps: Optional[int] = None, seed: int = 1, methods=DEMO
               "plots": [str(p) for p in plots]}
     (out / f"demo-seed{seed}.json").write_text(json.dumps(result, indent=2))
     return result
+
+
+def seeds_table(results: list[dict]) -> str:
+    """A Markdown table over several demo results (one per seed): the Fig. 3 numbers per method."""
+    import statistics
+
+    lines = ["| method | seed | eval acc | entropy start | entropy end | 2nd-half band | 2nd-half trend /100 steps | gate on |",
+             "|---|---|---|---|---|---|---|---|"]
+    methods = list(results[0]["summary"])
+    for m in methods:
+        for r in results:
+            s = r["summary"][m]
+            acc = "–" if s.get("eval_acc") is None else f"{s['eval_acc']:.3f}"
+            lines.append(f"| {m} | {r['seed']} | {acc} | {s['entropy_start']:.3f} | {s['entropy_end']:.3f} | "
+                         f"[{s['entropy_2nd_half_min']:.3f}, {s['entropy_2nd_half_max']:.3f}] | "
+                         f"{s['slope_2nd_half_per_100']:+.3f} | {100 * s['gate_on_share']:.0f}% |")
+        ss = [r["summary"][m] for r in results]
+        mean = lambda k: statistics.fmean(x[k] for x in ss if x.get(k) is not None)  # noqa: E731
+        sd = lambda k: statistics.stdev([x[k] for x in ss]) if len(ss) > 1 else 0.0  # noqa: E731
+        lines.append(f"| **{m}** | all {len(ss)} | {mean('eval_acc'):.3f} ± {sd('eval_acc'):.3f} | "
+                     f"{mean('entropy_start'):.3f} | {mean('entropy_end'):.3f} ± {sd('entropy_end'):.3f} | "
+                     f"[{min(x['entropy_2nd_half_min'] for x in ss):.3f}, {max(x['entropy_2nd_half_max'] for x in ss):.3f}] | "
+                     f"{mean('slope_2nd_half_per_100'):+.3f} | {100 * mean('gate_on_share'):.0f}% |")
+    return "\n".join(lines) + "\n"

@@ -135,3 +135,13 @@ def test_kill_9_mid_step_then_resume_equals_uninterrupted(cli, tmp_path, quick_t
 def test_resume_requires_a_run_directory(cli, tmp_path):
     code, _, err = cli("train", "--resume", str(tmp_path))
     assert code == 1 and "not a run directory" in err
+
+
+def test_stare_micro_batch_scope_trains(cli, tmp_path, quick_toy):
+    """The official code's selection scope: L+ / L- chosen per loss call."""
+    run = _train(cli, tmp_path, quick_toy, "stare-c2", "optim.total_steps=2", "method.dynamic_sampling=false",
+                 "method.stare.scope=micro_batch")
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["stare/gate"] == 1.0 for r in rows)
+    assert "stare/sel_pos" not in rows[0]  # batch-scope shares are not computed in this scope
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)

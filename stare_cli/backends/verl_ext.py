@@ -137,6 +137,13 @@ def mirror_keys(data: dict) -> dict:
     return out
 
 
+try:  # our losses under our method names, in every process that has verl (actor workers look them up)
+    from baselines.verl_adapter import register_all
+
+    register_all()
+except ImportError:
+    pass
+
 _payload = os.environ.get("STARE_VERL_METHOD")
 if _payload:  # only in runs we launched; importing this module elsewhere changes nothing
     try:
