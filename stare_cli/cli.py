@@ -241,7 +241,10 @@ def compare(
     if plot:
         from stare_cli.plots import plot_dynamics
 
-        runs_with_rows = {f"{C._title(r.label)} (seed {r.seed})": r.metrics_rows for r in results if r.metrics_rows}
+        runs_with_rows: dict[str, list] = {}
+        for r in results:
+            if r.metrics_rows:
+                runs_with_rows.setdefault(C._title(r.label), []).append(r.metrics_rows)
         made = []
         if runs_with_rows:
             h = None

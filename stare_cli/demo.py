@@ -97,7 +97,7 @@ def run_demo(out: Path, steps: Optional[int] = None, seed: int = 1, methods=DEMO
     rows = {m: read_jsonl(d / "metrics.jsonl") for m, d in run_dirs.items()}
     h_tgt = cfg.method.stare.h_tgt
     summ = {m: summarize(r, h_tgt) for m, r in rows.items()}
-    plots = plot_dynamics(rows, out / "dynamics", h_tgt=h_tgt)
+    plots = plot_dynamics({m: [r] for m, r in rows.items()}, out / "dynamics", h_tgt=h_tgt)
 
     t = Table(title=f"STARE demo on the CPU toy (seed {seed}, {cfg.optim.total_steps} steps, H_tgt {h_tgt:g}, "
                     f"W {cfg.method.stare.W:g}, P {cfg.method.stare.P:g})")

@@ -120,13 +120,13 @@ def test_paper_expands_in_order_and_local_dir(monkeypatch):
     assert len(load_benchmark("minerva")) == 272
 
 
-def test_hub_failure_says_how_to_use_a_local_file(monkeypatch, cli):
-    monkeypatch.delenv("STARE_DATA_DIR", raising=False)
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    code, _, err = cli("eval", "--bench", "aime24", "--model", "/nonexistent-model-dir", "--limit", "1")
-    assert code == 1
-    assert "error:" in err
+def test_hub_failure_says_how_to_use_a_local_file(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "STARE_DATA_DIR"}
+    env.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
+    p = subprocess.run([sys.executable, "-c", "from benchmarks.registry import load_benchmark; load_benchmark('aime24')"],
+                       capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    assert p.returncode != 0
+    assert "cannot load HuggingFaceH4/aime_2024" in p.stderr and "--data-file" in p.stderr and "STARE_DATA_DIR" in p.stderr
 
 
 # ------------------------------------------------------------------------------ end to end (CLI)
@@ -207,3 +207,40 @@ def test_lm_eval_task_files_point_at_the_same_data_and_grader(tmp_path):
     doc = {"problem": "What is 1/2?", "answer": "\\frac12"}
     assert ns["process_results"](doc, [["\\boxed{0.5}", "\\boxed{3}"]]) == {"avg_at_n": 50.0, "pass_at_n": 100.0}
     assert ns["doc_to_text"](doc).endswith(INSTRUCTION)
+
+
+def test_openai_engine_against_a_local_stub_server():
+    """The OpenAI-compatible engine speaks the completions protocol (stub server on loopback)."""
+    import http.server
+    import threading
+
+    from benchmarks.engines import OpenAIEngine, SamplingParams
+
+    seen = []
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append(body)
+            choices = [{"text": f" so \\boxed{{{i}}}", "finish_reason": "stop" if i else "length"} for i in range(body["n"])]
+            data = json.dumps({"choices": choices}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), H)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        eng = OpenAIEngine(f"http://127.0.0.1:{srv.server_port}/v1", "m", timeout=10)
+        out = eng.generate(["p1", "p2"], SamplingParams(n=2, temperature=1.0, top_p=0.7, max_new_tokens=8, seed=3))
+    finally:
+        srv.shutdown()
+    assert [[s.text for s in g] for g in out] == [[" so \\boxed{0}", " so \\boxed{1}"]] * 2
+    assert [s.finished for s in out[0]] == [False, True]
+    assert seen[0]["top_p"] == 0.7 and seen[0]["n"] == 2 and seen[0]["max_tokens"] == 8 and seen[1]["seed"] == 4
