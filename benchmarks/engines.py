@@ -68,15 +68,28 @@ class HFEngine:
             ids = [x[-self.max_prompt_tokens :] for x in ids]  # keep the end, where the question is
         return ids
 
+    def eos_ids(self) -> list[int]:
+        """The tokenizer's EOS plus the model's generation EOS ids (chat models end turns with
+        e.g. <|im_end|>, which is not the tokenizer's eos_token for base Qwen2.5 models)."""
+        ids = [self.tok.eos_token_id] if self.tok.eos_token_id is not None else []
+        gc = getattr(self.model, "generation_config", None)
+        extra = getattr(gc, "eos_token_id", None) if gc is not None else None
+        for e in ([extra] if isinstance(extra, int) else list(extra or [])):
+            if e not in ids:
+                ids.append(e)
+        if not ids:
+            raise ValueError("the tokenizer and the model define no EOS token")
+        return ids
+
     def generate_ids(self, prompt_ids: Sequence[list[int]], sp: SamplingParams) -> list[list[Sample]]:
         import torch
         from transformers import GenerationConfig
 
-        eos = self.tok.eos_token_id
-        pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else eos
+        eos_ids = self.eos_ids()
+        pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else eos_ids[0]
         gen_cfg = GenerationConfig(
             do_sample=True, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k if sp.top_k > 0 else 0,
-            max_new_tokens=sp.max_new_tokens, eos_token_id=eos, pad_token_id=pad, repetition_penalty=1.0,
+            max_new_tokens=sp.max_new_tokens, eos_token_id=eos_ids, pad_token_id=pad, repetition_penalty=1.0,
             num_return_sequences=1,
         )
         flat = [(i, ids) for i, ids in enumerate(prompt_ids) for _ in range(sp.n)]
@@ -93,8 +106,9 @@ class HFEngine:
                 attn = torch.tensor([[0] * (L - len(ids)) + [1] * len(ids) for _, ids in chunk], device=device)
                 gen = self.model.generate(input_ids=input_ids, attention_mask=attn, generation_config=gen_cfg)
                 for (i, ids), row in zip(chunk, gen[:, L:].tolist()):
-                    finished = eos in row
-                    resp = row[: row.index(eos) + 1] if finished else row
+                    stop = next((j for j, t in enumerate(row) if t in eos_ids), None)
+                    finished = stop is not None
+                    resp = row[: stop + 1] if finished else row
                     text = self.tok.decode(resp, skip_special_tokens=True)
                     out[i].append(Sample(text=text, response_ids=resp, prompt_ids=list(ids), finished=finished))
         if was_training:

@@ -51,6 +51,7 @@ class DataConfig(_Strict):
         min_length=1,
     )
     split: str = Field("train", description="Split, for hub datasets.")
+    subset: Optional[str] = Field(None, description="Configuration (subset) name, for hub datasets that have several.")
     prompt_field: str = Field("problem", description="Field holding the problem text.")
     answer_field: str = Field("answer", description="Field holding the ground-truth answer.")
     template: PromptTemplate = Field(PromptTemplate.paper, description="How a problem becomes a prompt.")

@@ -244,3 +244,21 @@ def test_openai_engine_against_a_local_stub_server():
     assert [[s.text for s in g] for g in out] == [[" so \\boxed{0}", " so \\boxed{1}"]] * 2
     assert [s.finished for s in out[0]] == [False, True]
     assert seen[0]["top_p"] == 0.7 and seen[0]["n"] == 2 and seen[0]["max_tokens"] == 8 and seen[1]["seed"] == 4
+
+
+def test_hf_engine_stops_at_every_eos_the_model_declares(tiny_model):
+    """Chat models end turns with a token that is not the tokenizer's eos (e.g. <|im_end|>)."""
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks.engines import HFEngine, SamplingParams, load_tokenizer
+
+    tok = load_tokenizer(str(tiny_model))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    eng = HFEngine(model, tok)
+    base = eng.generate(["Compute 1+2-3.\n"], SamplingParams(n=4, max_new_tokens=20, seed=0))[0]
+    # Declare the first sampled token of each response as an extra EOS: every response then stops there.
+    firsts = sorted({s.response_ids[0] for s in base})
+    model.generation_config.eos_token_id = firsts
+    assert set(firsts) <= set(eng.eos_ids()) and tok.eos_token_id in eng.eos_ids()
+    again = eng.generate(["Compute 1+2-3.\n"], SamplingParams(n=4, max_new_tokens=20, seed=0))[0]
+    assert all(len(s.response_ids) == 1 and s.finished for s in again)

@@ -51,7 +51,7 @@ def load_prompts(cfg: Recipe) -> list[dict]:
                 raise StareError(f"data.train: file '{src}' not found")
             ds = datasets.load_dataset("parquet" if path.suffix == ".parquet" else "json", data_files=str(path), split="train")
         else:
-            ds = datasets.load_dataset(src, split=cfg.data.split)
+            ds = datasets.load_dataset(src, cfg.data.subset, split=cfg.data.split)
     except StareError:
         raise
     except Exception as e:
