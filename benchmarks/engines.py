@@ -39,6 +39,10 @@ class Sample:
     response_ids: list[int] = field(default_factory=list)
     prompt_ids: list[int] = field(default_factory=list)
     finished: bool = True  # False: cut at max_new_tokens (truncated)
+    loss_mask: Optional[list[int]] = None  # per response token; 0 on tool observations (None: all 1)
+    tool_calls: int = 0
+    tool_errors: int = 0
+    turns: int = 1
 
 
 @dataclass
@@ -115,8 +119,69 @@ class HFEngine:
             self.model.train()
         return out
 
-    def generate(self, prompts: Sequence[str], sp: SamplingParams) -> list[list[Sample]]:
-        return self.generate_ids(self.encode(prompts), sp)
+    def generate(self, prompts: Sequence[str], sp: SamplingParams, tools=None) -> list[list[Sample]]:
+        ids = self.encode(prompts)
+        return self.generate_ids(ids, sp) if tools is None else self.generate_with_tools(ids, sp, tools)
+
+    def generate_with_tools(self, prompt_ids: Sequence[list[int]], sp: SamplingParams, spec) -> list[list[Sample]]:
+        """n multi-turn rollouts per prompt (benchmarks.tools.multiturn with this model)."""
+        import torch
+        from transformers import GenerationConfig, StoppingCriteriaList
+
+        from benchmarks.tools import multiturn
+
+        eos_ids = self.eos_ids()
+        tok = self.tok
+
+        def stop_on(text: str, start: int):
+            # HF's stop_strings needs a tokenizer whose vocabulary it can clean (the toy's fails):
+            # decoding the tail of each row is simple and works with any tokenizer.
+            def crit(input_ids, scores, **kw):
+                tails = [tok.decode(row[max(start, len(row) - 24):], skip_special_tokens=True)
+                         for row in input_ids.tolist()]
+                return torch.tensor([t.rstrip().endswith(text.strip()) for t in tails], device=input_ids.device)
+
+            return crit
+        pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else eos_ids[0]
+        device = next(self.model.parameters()).device
+
+        def turn(contexts, budgets, stop, seed):
+            gen_cfg = GenerationConfig(
+                do_sample=True, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k if sp.top_k > 0 else 0,
+                max_new_tokens=max(budgets), eos_token_id=eos_ids, pad_token_id=pad, repetition_penalty=1.0,
+            )
+            torch.manual_seed(seed)
+            out = []
+            self.model.eval()
+            with torch.no_grad():
+                for start in range(0, len(contexts), self.batch_size):
+                    chunk = contexts[start : start + self.batch_size]
+                    L = max(len(c) for c in chunk)
+                    ids = torch.tensor([[pad] * (L - len(c)) + c for c in chunk], device=device)
+                    attn = torch.tensor([[0] * (L - len(c)) + [1] * len(c) for c in chunk], device=device)
+                    gen = self.model.generate(input_ids=ids, attention_mask=attn, generation_config=gen_cfg,
+                                              stopping_criteria=StoppingCriteriaList([stop_on(stop, L)]))
+                    for row, budget in zip(gen[:, L:].tolist(), budgets[start : start + self.batch_size]):
+                        stop_at = next((j for j, t in enumerate(row) if t in eos_ids), None)
+                        if stop_at is not None and stop_at < budget:
+                            out.append((row[: stop_at + 1], True))
+                            continue
+                        while row and row[-1] == pad:  # a sequence stopped by the stop string is padded
+                            row.pop()
+                        out.append((row[:budget], False))
+            return out
+
+        flat = [ids for ids in prompt_ids for _ in range(sp.n)]
+        traces = multiturn(flat, sp.max_new_tokens, spec, turn,
+                           encode=lambda t: self.tok(t, add_special_tokens=False)["input_ids"],
+                           decode=lambda ids: self.tok.decode(ids, skip_special_tokens=True), seed=sp.seed)
+        out: list[list[Sample]] = [[] for _ in prompt_ids]
+        for k, (ids, tr) in enumerate(zip(flat, traces)):
+            out[k // sp.n].append(Sample(
+                text=self.tok.decode(tr.response_ids, skip_special_tokens=True), response_ids=tr.response_ids,
+                prompt_ids=list(ids), finished=tr.finished, loss_mask=tr.loss_mask, tool_calls=tr.calls,
+                tool_errors=tr.errors, turns=tr.turns))
+        return out
 
 
 class VLLMEngine:
@@ -137,7 +202,11 @@ class VLLMEngine:
                        trust_remote_code=trust_remote_code)
         self.tok = self.llm.get_tokenizer()
 
-    def generate(self, prompts: Sequence[str], sp: SamplingParams) -> list[list[Sample]]:  # pragma: no cover
+    def generate(self, prompts: Sequence[str], sp: SamplingParams, tools=None) -> list[list[Sample]]:  # pragma: no cover
+        if tools is not None:
+            from stare_cli.errors import StareError
+
+            raise StareError("tool use runs on the hf engine for now", hint="--engine hf")
         from vllm import SamplingParams as VSP
 
         params = VSP(n=sp.n, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, max_tokens=sp.max_new_tokens,
@@ -161,9 +230,14 @@ class OpenAIEngine:
         self.api_key = api_key
         self.timeout = timeout
 
-    def generate(self, prompts: Sequence[str], sp: SamplingParams) -> list[list[Sample]]:
+    def generate(self, prompts: Sequence[str], sp: SamplingParams, tools=None) -> list[list[Sample]]:
         import json
         import urllib.request
+
+        if tools is not None:
+            from stare_cli.errors import StareError
+
+            raise StareError("tool use runs on the hf engine for now", hint="--engine hf")
 
         out = []
         for i, prompt in enumerate(prompts):

@@ -52,7 +52,7 @@ def _reflection(text: str, words: list[str]) -> float:
 
 def evaluate_benchmark(engine, tokenizer, s: EvalSettings, out_dir: Path, grader: Grader,
                        data_file: Optional[str] = None, use_chat_template: bool = True, progress=None,
-                       reflection_words: Optional[list[str]] = None) -> dict:
+                       reflection_words: Optional[list[str]] = None, tools=None) -> dict:
     """Evaluate one benchmark into out_dir; returns the results dict (also written as results.json)."""
     words = reflection_words or ["wait", "verify", "check", "recheck", "however", "alternatively"]
     rows = load_benchmark(s.bench, limit=s.limit, data_file=data_file)
@@ -78,7 +78,7 @@ def evaluate_benchmark(engine, tokenizer, s: EvalSettings, out_dir: Path, grader
         prompts = [build_prompt(r["problem"], s.template, tokenizer, use_chat_template) for r in chunk]
         sp = SamplingParams(n=s.n, temperature=s.temperature, top_p=s.top_p, top_k=-1, max_new_tokens=s.max_tokens,
                             seed=s.seed * 1_000_003 + ci)
-        groups = engine.generate(prompts, sp)
+        groups = engine.generate(prompts, sp, tools) if tools is not None else engine.generate(prompts, sp)
         flat = [(r, p, j, smp) for r, p, g in zip(chunk, prompts, groups) for j, smp in enumerate(g)]
         verdicts = grader.grade_many([x[3].text for x in flat], [x[0]["answer"] for x in flat])
         lines = []
@@ -88,6 +88,7 @@ def evaluate_benchmark(engine, tokenizer, s: EvalSettings, out_dir: Path, grader
                 "extracted": v.extracted, "method": v.method, "correct": bool(v.correct and smp.finished),
                 "reason": v.reason if smp.finished else "truncated", "finished": smp.finished,
                 "length": len(smp.response_ids) if smp.response_ids else len(smp.text.split()),
+                "tool_calls": smp.tool_calls, "tool_errors": smp.tool_errors,
             }) + "\n")
         with open(samples_path, "a") as f:  # one write per chunk; a torn chunk is redone on resume
             f.write("".join(lines))
@@ -140,7 +141,7 @@ def run_eval(model: str, benches: list[str], engine_name: str = "auto", n: Optio
              limit: Optional[int] = None, out: Optional[Path] = None, template: str = "paper",
              temperature: Optional[float] = None, top_p: Optional[float] = None, max_tokens: Optional[int] = None,
              seed: int = 0, data_file: Optional[str] = None, base_url: Optional[str] = None, workers: Optional[int] = None,
-             device: str = "auto", batch_size: int = 64, dtype: str = "auto") -> dict[str, dict]:
+             device: str = "auto", batch_size: int = 64, dtype: str = "auto", tools: Optional[str] = None) -> dict[str, dict]:
     """Evaluate `model` on `benches`; returns {bench: results}. Prints progress on stderr."""
     import sys
 
@@ -161,6 +162,13 @@ def run_eval(model: str, benches: list[str], engine_name: str = "auto", n: Optio
     if out is None:
         out = (run_dir / "eval" / Path(path).name) if run_dir else Path("evals") / path.strip("/").replace("/", "__")
     results = {}
+    tool_spec = None
+    if tools:
+        from benchmarks.tools import ToolSpec
+
+        if tools != "python":
+            raise StareError(f"unknown tool '{tools}'", hint="the available tool is 'python'")
+        tool_spec = ToolSpec()
     grader = Grader(workers=workers)
     try:
         with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -171,7 +179,8 @@ def run_eval(model: str, benches: list[str], engine_name: str = "auto", n: Optio
                                  temperature=spec.temperature if temperature is None else temperature,
                                  top_p=spec.top_p if top_p is None else top_p, max_tokens=max_tokens or spec.max_tokens,
                                  seed=seed, engine=engine_name, limit=limit)
-                results[b] = evaluate_benchmark(engine, tok, s, out / b, grader, data_file=data_file, progress=prog)
+                results[b] = evaluate_benchmark(engine, tok, s, out / b, grader, data_file=data_file, progress=prog,
+                                                tools=tool_spec)
                 if not sys.stderr.isatty():
                     m = results[b]["metrics"]
                     avg = m[f"avg@{m['n']}"]

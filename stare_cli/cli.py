@@ -167,6 +167,7 @@ def eval_cmd(
     base_url: Annotated[Optional[str], typer.Option(help="OpenAI-compatible endpoint for --engine openai.")] = None,
     workers: Annotated[Optional[int], typer.Option(min=0, help="Grading processes (default: all cores; 0: in-process).")] = None,
     harness: Annotated[Harness, typer.Option(help="native, or the lm-eval bridge.")] = Harness.native,
+    tools: Annotated[Optional[str], typer.Option(help="Let the model call a tool: 'python' (sandboxed).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Evaluate a model on math benchmarks (avg@N, pass@k, maj@k)."""
@@ -183,7 +184,7 @@ def eval_cmd(
     from benchmarks.evaluate import run_eval
 
     results = run_eval(model, bench, engine.value, n, limit, out, template.value, temperature, top_p, max_tokens,
-                       seed, data_file, base_url, workers)
+                       seed, data_file, base_url, workers, tools=tools)
     rows = {b: r["metrics"] for b, r in results.items()}
     if as_json:
         typer.echo(json.dumps(rows, indent=2))

@@ -59,6 +59,16 @@ class DataConfig(_Strict):
     shuffle: bool = Field(True, description="Shuffle prompts each epoch (seeded).")
 
 
+class ToolsConfig(_Strict):
+    enable: bool = Field(False, description="Multi-turn rollouts with a Python code-interpreter tool.")
+    format: Literal["markdown", "xml"] = Field("markdown", description="```python ...``` or <code>...</code> blocks.")
+    max_turns: int = Field(4, ge=1, le=64, description="Tool calls per response at most.")
+    cpu_s: int = Field(5, ge=1, description="CPU seconds per tool call.")
+    wall_s: float = Field(10.0, gt=0, description="Wall-clock seconds per tool call.")
+    memory_mb: int = Field(512, ge=32, description="Address-space limit per tool call.")
+    output_bytes: int = Field(1024, ge=64, description="Observation size limit (truncated beyond).")
+
+
 class RolloutConfig(_Strict):
     n: int = Field(8, ge=1, description="Responses sampled per prompt (the GRPO group size).")
     temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature.")
@@ -79,6 +89,7 @@ class RolloutConfig(_Strict):
     engine: Literal["auto", "hf", "vllm"] = Field(
         "auto", description="Rollout engine: vLLM when installed and a GPU is present, else HF generate."
     )
+    tools: ToolsConfig = Field(default_factory=ToolsConfig)
 
 
 class OptimConfig(_Strict):

@@ -145,3 +145,32 @@ def test_stare_micro_batch_scope_trains(cli, tmp_path, quick_toy):
     assert all(r["stare/gate"] == 1.0 for r in rows)
     assert "stare/sel_pos" not in rows[0]  # batch-scope shares are not computed in this scope
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
+
+
+def test_hf_engine_stops_at_tool_blocks_and_masks_observations(quick_toy, monkeypatch):
+    """The real HF path: generation stops at the block's closing string, the tool runs, and the
+    observation tokens get loss-mask 0 (the toy writes "a+b=" often; "+" opens and "=" closes here)."""
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks import tools as T
+    from benchmarks.engines import HFEngine, SamplingParams, load_tokenizer
+    from stare_cli.sandbox import Limits
+
+    monkeypatch.setitem(T.FORMATS, "markdown", ("+", "="))
+    tok = load_tokenizer(str(quick_toy))
+    eng = HFEngine(AutoModelForCausalLM.from_pretrained(quick_toy), tok)
+    spec = T.ToolSpec(max_turns=1, limits=Limits(cpu_s=2, wall_s=5))
+    samples = eng.generate(["Compute 3+4-2.\n"] * 2, SamplingParams(n=4, max_new_tokens=40, seed=0), spec)
+    called = [s for g in samples for s in g if s.tool_calls]
+    assert called, "the toy never produced a '+ ... =' block"
+    for s in called:
+        assert 0 in s.loss_mask and len(s.loss_mask) == len(s.response_ids)
+        first_obs = s.loss_mask.index(0)
+        assert tok.decode(s.response_ids[:first_obs]).rstrip().endswith("=")  # stopped right at the closer
+
+
+def test_training_with_tools_enabled_logs_tool_metrics(cli, tmp_path, quick_toy):
+    run = _train(cli, tmp_path, quick_toy, "grpo-ds", "optim.total_steps=1", "method.dynamic_sampling=false",
+                 "rollout.tools.enable=true")
+    row = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert {"tools/calls_per_response", "tools/error_rate", "tools/turns"} <= set(row)

@@ -130,7 +130,10 @@ def pack(samples: list, pad_id: int, device) -> dict:
         p, r = s.prompt_ids, s.response_ids
         ids.append([pad_id] * (P - len(p)) + p + r + [pad_id] * (T - len(r)))
         attn.append([0] * (P - len(p)) + [1] * (len(p) + len(r)) + [0] * (T - len(r)))
-        rmask.append([1] * len(r) + [0] * (T - len(r)))
+        # Tool observations are context, not actions: mask 0 keeps them out of the loss, the
+        # entropy and the STARE token sets.
+        lm = s.loss_mask if s.loss_mask is not None else [1] * len(r)
+        rmask.append(list(lm) + [0] * (T - len(r)))
     return {
         "input_ids": torch.tensor(ids, device=device),
         "attention_mask": torch.tensor(attn, device=device),
@@ -297,6 +300,7 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume_dir: Optional[Path]
     use_chat = cfg.model.chat_template == "auto"
     engine = HFEngine(model, tok, batch_size=max(1, R.gen_batch_size * R.n), max_prompt_tokens=R.max_prompt_tokens)
     grader = Grader(workers=0, boxed_only=True)  # rewards: the final \boxed{} answer only
+    tools = _tool_spec(cfg)
     eval_grader = Grader(workers=0)  # evaluation: with the fallbacks users expect (stare eval's grader)
     wb = _wandb_init(cfg, run_dir)
     log = StepLog(O.total_steps, step)
@@ -312,6 +316,7 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume_dir: Optional[Path]
             kept: list = []  # (sample, reward, correct, group id) of kept groups
             n_groups_dropped, n_gen_batches, t_gen, t_score = 0, 0, 0.0, 0.0
             all_rewards, all_correct, all_texts, all_finished, all_lens, group_full = [], [], [], [], [], []
+            all_calls, all_errors, all_turns = [], [], []
             n_prompts_needed = O.train_batch_size
             while len({g for *_, g in kept}) < n_prompts_needed:
                 if mcfg.dynamic_sampling and n_gen_batches >= R.max_gen_batches:
@@ -323,7 +328,7 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume_dir: Optional[Path]
                 sp = SamplingParams(n=R.n, temperature=R.temperature, top_p=R.top_p, top_k=R.top_k,
                                     max_new_tokens=R.max_response_tokens,
                                     seed=O.seed * 1_000_003 + step * 101 + n_gen_batches)
-                groups = engine.generate(prompts, sp)
+                groups = engine.generate(prompts, sp, tools)
                 t_gen += time.perf_counter() - t0
                 t0 = time.perf_counter()
                 flat = [(gi, s) for gi, g in enumerate(groups) for s in g]
@@ -340,6 +345,9 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume_dir: Optional[Path]
                 all_texts += [s.text for _, s in flat]
                 all_finished += [s.finished for _, s in flat]
                 all_lens += lens.tolist()
+                all_calls += [s.tool_calls for _, s in flat]
+                all_errors += [s.tool_errors for _, s in flat]
+                all_turns += [s.turns for _, s in flat]
                 group_full += correct.view(-1, R.n).min(-1).values.tolist()
                 keep = torch.ones(len(flat), dtype=torch.bool)
                 if mcfg.dynamic_sampling:
@@ -363,6 +371,10 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume_dir: Optional[Path]
                 "len/truncated": float(1 - sum(all_finished) / len(all_finished)),
                 "reflection_rate": reflection_rate(all_texts, cfg.logging.reflection_words),
             })
+            if tools is not None:
+                metrics.update({"tools/calls_per_response": sum(all_calls) / len(all_calls),
+                                "tools/error_rate": sum(all_errors) / max(sum(all_calls), 1),
+                                "tools/turns": sum(all_turns) / len(all_turns)})
             if not kept:  # every group was all-equal: nothing to learn from this step
                 metrics.update({"lr": sched.get_last_lr()[0], "skipped": 1})
                 step += 1
@@ -499,6 +511,18 @@ class _null:
 
     def __exit__(self, *a):
         return False
+
+
+def _tool_spec(cfg: Recipe):
+    """The multi-turn tool settings of the recipe (None when tools are off)."""
+    t = cfg.rollout.tools
+    if not t.enable:
+        return None
+    from benchmarks.tools import ToolSpec
+    from stare_cli.sandbox import Limits
+
+    return ToolSpec(format=t.format, max_turns=t.max_turns,
+                    limits=Limits(cpu_s=t.cpu_s, wall_s=t.wall_s, memory_mb=t.memory_mb, output_bytes=t.output_bytes))
 
 
 def _finish_step(run_dir, step, metrics, t_step, t_gen, t_score, t_train, log, wb) -> None:

@@ -1,0 +1,101 @@
+"""Multi-turn tool rollouts: code blocks are run, observations appended with loss-mask 0, and masked
+tokens never reach the loss, the entropy or the STARE token sets."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from baselines import stare_token_weights
+from baselines.losses import ppo_clip_loss
+from benchmarks.engines import Sample
+from benchmarks.tools import ToolSpec, find_call, multiturn, observation_text
+from stare_cli.backends.embedded import pack
+from stare_cli.sandbox import Limits
+
+enc = lambda s: [ord(c) for c in s]  # noqa: E731  a character-level "tokenizer" for the scripted model
+dec = lambda ids: "".join(chr(i) for i in ids if i < 0x110000)  # noqa: E731
+EOS = 0x110000
+
+
+def test_find_call_formats():
+    assert find_call("I will compute.\n```python\nprint(6*7)\n```", "markdown") == "print(6*7)"
+    assert find_call("text ```python\nx=1\n``` more text", "markdown") is None  # not at the end
+    assert find_call("<code>print(1)</code>", "xml") == "print(1)"
+    assert find_call("no code here", "xml") is None
+
+
+def _scripted(turns):
+    """A fake model: each call continues every context with the next scripted turn."""
+    calls = []
+
+    def turn(contexts, budgets, stop, seed):
+        k = len(calls)
+        calls.append(contexts)
+        text, eos = turns[k]
+        return [(enc(text) + ([EOS] if eos else []), eos) for _ in contexts]
+
+    return turn, calls
+
+
+def test_multiturn_runs_code_and_masks_the_observation():
+    turn, calls = _scripted([("Let me compute.\n```python\nprint(6*7)\n```", False), (" so \\boxed{42}", True)])
+    spec = ToolSpec(limits=Limits(cpu_s=2, wall_s=5))
+    (tr,) = multiturn([enc("Q: 6*7?\n")], 200, spec, turn, enc, dec, seed=0)
+    obs = observation_text("42", "markdown")
+    text = dec(tr.response_ids)
+    assert text == "Let me compute.\n```python\nprint(6*7)\n```" + obs + " so \\boxed{42}"
+    assert tr.finished and tr.calls == 1 and tr.errors == 0 and tr.turns == 2
+    first = len(enc("Let me compute.\n```python\nprint(6*7)\n```"))
+    assert tr.loss_mask == [1] * first + [0] * len(enc(obs)) + [1] * (len(enc(" so \\boxed{42}")) + 1)
+    # The second turn saw the observation in its context.
+    assert dec(calls[1][0]).endswith(obs)
+
+
+def test_tool_errors_are_observations_and_turns_are_bounded():
+    script = [("```python\n1/0\n```", False)] * 3
+    turn, _ = _scripted(script)
+    (tr,) = multiturn([enc("Q\n")], 10_000, ToolSpec(max_turns=2, limits=Limits(cpu_s=2, wall_s=5)), turn, enc, dec)
+    assert tr.calls == 2 and tr.errors == 2 and not tr.finished
+    assert "ZeroDivisionError" in dec(tr.response_ids)
+
+
+def test_token_budget_cuts_the_observation():
+    turn, _ = _scripted([("```python\nprint('x' * 500)\n```", False)])
+    (tr,) = multiturn([enc("Q\n")], 60, ToolSpec(limits=Limits(cpu_s=2, wall_s=5)), turn, enc, dec)
+    assert len(tr.response_ids) == 60 and not tr.finished
+
+
+def test_masked_observation_tokens_stay_out_of_loss_entropy_and_stare():
+    # Response: 3 model tokens, 3 observation tokens (mask 0), 2 model tokens.
+    s = Sample(text="", response_ids=[5, 6, 7, 8, 9, 10, 11, 12], prompt_ids=[1, 2], loss_mask=[1, 1, 1, 0, 0, 0, 1, 1])
+    batch = pack([s, Sample(text="", response_ids=[5, 6], prompt_ids=[3])], pad_id=0, device="cpu")
+    mask = batch["response_mask"]
+    assert mask[0].tolist() == [1, 1, 1, 0, 0, 0, 1, 1] and mask[1].tolist() == [1, 1, 0, 0, 0, 0, 0, 0]
+    adv = torch.ones_like(mask)
+    old = torch.full_like(mask, -0.1)
+    old[0, 3:6] = -50.0  # the observation tokens are by far the most "surprising"
+    w = stare_token_weights(adv, old, mask, P=0.2, W=3.0)
+    assert (w[0, 3:6] == 1).all() and (w == 3.0).sum() == 2  # ceil(0.2 * 7 model tokens) = 2, none masked
+    ent = torch.rand_like(mask)
+    ent[0, 3:6] = 100.0
+    H = float((ent * mask).sum() / mask.sum())
+    assert H < 1.0  # the batch entropy ignores the observation tokens
+    lp = old.clone().requires_grad_(True)
+    loss, _ = ppo_clip_loss(lp, old.detach(), adv, mask)
+    loss.backward()
+    assert (lp.grad[0, 3:6] == 0).all() and (lp.grad[0, :3] != 0).all()
+
+
+def test_eval_with_tools_flag_runs(cli, tmp_path):
+    from conftest import BENCH_DATA
+    from stare_cli.toy import make_random_init
+
+    model = make_random_init(tmp_path / "m")
+    code, out, err = cli("eval", "--bench", "amc23", "--model", str(model), "--limit", "2", "-n", "1",
+                         "--max-tokens", "8", "--data-file", str(BENCH_DATA / "amc23.jsonl"), "--engine", "hf",
+                         "--workers", "0", "--tools", "python", "--out", str(tmp_path / "ev"), "--json")
+    assert code == 0, err
+    rows = [json.loads(x) for x in (tmp_path / "ev" / "amc23" / "samples.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all("tool_calls" in r for r in rows)
