@@ -59,6 +59,7 @@ BENCHMARKS: dict[str, BenchmarkSpec] = {
         BenchmarkSpec("olympiadbench", "OlympiadBench", "math-ai/olympiadbench", "test", n=4, size=674),
         # The CPU toy's held-out set (generated locally, disjoint seed from training).
         BenchmarkSpec("toy:arith", "Toy arith", "", "", n=1, size=256, temperature=1.0, top_p=1.0, max_tokens=56),
+        BenchmarkSpec("toy:tool", "Toy tool", "", "", n=1, size=128, temperature=1.0, top_p=1.0, max_tokens=64),
     ]
 }
 
@@ -93,11 +94,11 @@ def load_benchmark(name: str, limit: Optional[int] = None, data_file: Optional[s
     """Rows {'problem', 'answer', 'idx'}: from data_file, $STARE_DATA_DIR/<name>.jsonl, or the hub."""
     spec = check_benchmark(name)
     if name.startswith("toy:"):
-        from stare_cli.toy import problems
+        from stare_cli.toy import problems, tool_problems
 
-        rows = [{"idx": i, "problem": r["problem"], "answer": r["answer"]}
-                for i, r in enumerate(problems(limit or spec.size, seed=999_999))]
-        return rows
+        gen = problems if name == "toy:arith" else tool_problems
+        return [{"idx": i, "problem": r["problem"], "answer": r["answer"]}
+                for i, r in enumerate(gen(limit or spec.size, seed=999_999))]
     path = Path(data_file) if data_file else None
     if path is None and os.environ.get("STARE_DATA_DIR"):
         cand = Path(os.environ["STARE_DATA_DIR"]) / f"{name}.jsonl"

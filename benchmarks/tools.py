@@ -9,6 +9,7 @@ a batch of token contexts until a stop string or EOS, so the HF engine and tests
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -22,6 +23,7 @@ class ToolSpec:
     format: str = "markdown"
     max_turns: int = 4
     limits: Limits = Limits()
+    parallel: int = 4  # tool processes at once
 
 
 def find_call(text: str, fmt: str) -> Optional[str]:
@@ -66,7 +68,7 @@ def multiturn(prompt_ids: Sequence[list[int]], max_new_tokens: int, spec: ToolSp
             break
         budgets = [max_new_tokens - len(traces[i].response_ids) for i in active]
         outs = turn([list(prompt_ids[i]) + traces[i].response_ids for i in active], budgets, closer, seed + t)
-        still = []
+        calls: list[tuple[int, str]] = []
         for i, (new, eos) in zip(active, outs):
             tr = traces[i]
             tr.response_ids += new
@@ -76,13 +78,18 @@ def multiturn(prompt_ids: Sequence[list[int]], max_new_tokens: int, spec: ToolSp
                 tr.finished = True
                 continue
             code = find_call(decode(new), spec.format)
-            left = max_new_tokens - len(tr.response_ids)
-            if code is None or left <= 0 or t == spec.max_turns:
+            if code is None or len(tr.response_ids) >= max_new_tokens or t == spec.max_turns:
                 continue  # cut at the token budget, or no call: the response ends here (unfinished)
-            obs = run_python(code, spec.limits)
+            calls.append((i, code))
+        # Tool calls of one turn run side by side: each is a separate, limited process.
+        with ThreadPoolExecutor(max_workers=max(1, min(spec.parallel, len(calls)))) as pool:
+            observations = list(pool.map(lambda c: run_python(c[1], spec.limits), calls))
+        still = []
+        for (i, _), obs in zip(calls, observations):
+            tr = traces[i]
             tr.calls += 1
             tr.errors += int(obs.status not in ("ok", "output-truncated"))
-            obs_ids = encode(observation_text(obs.text(), spec.format))[:left]
+            obs_ids = encode(observation_text(obs.text(), spec.format))[: max_new_tokens - len(tr.response_ids)]
             tr.response_ids += obs_ids
             tr.loss_mask += [0] * len(obs_ids)
             if len(tr.response_ids) < max_new_tokens:

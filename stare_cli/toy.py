@@ -39,6 +39,39 @@ def cache_root() -> Path:
     return Path(os.environ.get("STARE_CACHE_DIR", Path.home() / ".cache" / "stare"))
 
 
+# ---- the tool task: "Compute a*b+c." Mental multiplication in the demonstrations is unreliable;
+# a call to the Python tool is always right. The reward ignores how the answer was found, so RL
+# should raise the share of responses that call the tool.
+TOOL_WORDS = ["Compute", "the", "answer", "is", "\\boxed{", "```python", "```output", "```", "print(", "so", "we", "get"]
+TOOL_CHARS = list("0123456789+*=., ()}\n")
+TOOL_MIX = dict(tool_share=0.3, mental_error=0.6)
+TOOL_SFT = dict(steps=500, batch=64, lr=3e-3, seed=0)
+
+
+def tool_problem(rng: random.Random) -> dict:
+    a, b, c = rng.randint(3, 30), rng.randint(3, 30), rng.randint(1, 50)
+    return {"problem": f"Compute {a}*{b}+{c}.", "answer": str(a * b + c), "a": a, "b": b, "c": c}
+
+
+def tool_problems(n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    return [tool_problem(rng) for _ in range(n)]
+
+
+def tool_demonstration(p: dict, rng: random.Random) -> list[tuple[str, bool]]:
+    """(text, trained) parts: a tool call with its observation (not trained on), or mental math."""
+    a, b, c = p["a"], p["b"], p["c"]
+    if rng.random() < TOOL_MIX["tool_share"]:
+        y = a * b + c
+        return [(f"```python\nprint({a}*{b}+{c})\n```", True), (f"\n```output\n{y}\n```\n", False),
+                (f"the answer is \\boxed{{{y}}}", True)]
+    x = a * b
+    if rng.random() < TOOL_MIX["mental_error"]:
+        x += rng.choice([-10, -2, -1, 1, 2, 10])
+    y = x + c
+    return [(f"{a}*{b} = {x}, {x}+{c} = {y}. so the answer is \\boxed{{{y}}}", True)]
+
+
 def problem(rng: random.Random) -> dict:
     a, b = rng.randint(1, 15), rng.randint(1, 15)
     c = rng.randint(1, a + b)
@@ -74,14 +107,17 @@ def demonstration(p: dict, rng: random.Random) -> str:
     return f"{rng.choice(OPENINGS)}{step1}{rng.choice(CONNECTIVES)}{step2}. {rng.choice(CLOSINGS)}\\boxed{{{r2}}}"
 
 
-def build_tokenizer():
+def build_tokenizer(task: str = "arith"):
     """A word/character-level fast tokenizer, wrapped for transformers."""
+    import re
+
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {t: i for i, t in enumerate(SPECIALS + WORDS + CHARS)}
+    words, chars = (WORDS, CHARS) if task == "arith" else (TOOL_WORDS, TOOL_CHARS)
+    vocab = {t: i for i, t in enumerate(SPECIALS + words + chars)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    pattern = "|".join(w.replace("\\", "\\\\").replace("{", "\\{") for w in WORDS) + "|."
+    pattern = "|".join(re.escape(w) for w in sorted(words, key=len, reverse=True)) + "|."
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(pattern), behavior="isolated")
     tok.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
@@ -96,13 +132,17 @@ def build_model(vocab_size: int, seed: int = 0):
     return Qwen2ForCausalLM(cfg)
 
 
-def toy_key() -> str:
-    blob = json.dumps({"v": TOY_VERSION, "model": TOY_MODEL, "sft": TOY_SFT, "words": WORDS, "chars": CHARS})
+def toy_key(task: str = "arith") -> str:
+    if task == "arith":
+        blob = json.dumps({"v": TOY_VERSION, "model": TOY_MODEL, "sft": TOY_SFT, "words": WORDS, "chars": CHARS})
+    else:
+        blob = json.dumps({"v": TOY_VERSION, "task": task, "model": TOY_MODEL, "sft": TOOL_SFT, "words": TOOL_WORDS,
+                           "chars": TOOL_CHARS, "mix": TOOL_MIX})
     return hashlib.sha256(blob.encode()).hexdigest()[:10]
 
 
 def toy_dir(task: str = "arith") -> Path:
-    return cache_root() / "toy" / f"{task}-{toy_key()}"
+    return cache_root() / "toy" / f"{task}-{toy_key(task)}"
 
 
 def make_random_init(path: Path, seed: int = 0) -> Path:
@@ -115,8 +155,8 @@ def make_random_init(path: Path, seed: int = 0) -> Path:
     return path
 
 
-def sft(model, tok, steps: int, batch: int, lr: float, seed: int, log_every: int = 100) -> None:
-    """Supervised warm-up on noisy, stylistically varied demonstrations (loss on the response)."""
+def sft(model, tok, steps: int, batch: int, lr: float, seed: int, log_every: int = 100, task: str = "arith") -> None:
+    """Supervised warm-up on noisy demonstrations (loss on the response; never on tool output)."""
     import torch
 
     rng = random.Random(seed + 1)
@@ -129,11 +169,21 @@ def sft(model, tok, steps: int, batch: int, lr: float, seed: int, log_every: int
     for step in range(steps):
         ids, labels = [], []
         for _ in range(batch):
-            p = problem(rng)
+            p = problem(rng) if task == "arith" else tool_problem(rng)
             prompt = tok(p["problem"] + "\n", add_special_tokens=False)["input_ids"]
-            resp = tok(demonstration(p, rng), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            if task == "arith":
+                parts = [(demonstration(p, rng), True)]
+            else:
+                parts = tool_demonstration(p, rng)
+            resp, lab = [], []
+            for text, trained in parts:
+                t = tok(text, add_special_tokens=False)["input_ids"]
+                resp += t
+                lab += t if trained else [-100] * len(t)
+            resp.append(tok.eos_token_id)
+            lab.append(tok.eos_token_id)
             ids.append(prompt + resp)
-            labels.append([-100] * len(prompt) + resp)
+            labels.append([-100] * len(prompt) + lab)
         L = max(len(x) for x in ids)
         input_ids = torch.tensor([x + [tok.pad_token_id] * (L - len(x)) for x in ids])
         lab = torch.tensor([y + [-100] * (L - len(y)) for y in labels])
@@ -151,10 +201,10 @@ def sft(model, tok, steps: int, batch: int, lr: float, seed: int, log_every: int
 
 def ensure_toy_model(task: str = "arith", force: bool = False, threads: Optional[int] = None) -> Path:
     """The warmed-up toy model directory, built on first use (atomic: a crash leaves no half model)."""
-    if task != "arith":
+    if task not in ("arith", "tool"):
         from stare_cli.errors import StareError
 
-        raise StareError(f"unknown toy task '{task}'", hint="the toy task is 'toy:arith'")
+        raise StareError(f"unknown toy task '{task}'", hint="toy tasks: 'toy:arith', 'toy:tool'")
     path = toy_dir(task)
     if path.exists() and not force:
         return path
@@ -162,17 +212,18 @@ def ensure_toy_model(task: str = "arith", force: bool = False, threads: Optional
 
     if threads:
         torch.set_num_threads(threads)
-    tok = build_tokenizer()
-    model = build_model(len(tok), TOY_SFT["seed"])
+    tok = build_tokenizer(task)
+    conf = TOY_SFT if task == "arith" else TOOL_SFT
+    model = build_model(len(tok), conf["seed"])
     n = sum(p.numel() for p in model.parameters())
     print(f"building the toy model ({n / 1e6:.2f}M parameters) and warming it up; cached in {path}", flush=True)
-    sft(model, tok, TOY_SFT["steps"], TOY_SFT["batch"], TOY_SFT["lr"], TOY_SFT["seed"])
+    sft(model, tok, conf["steps"], conf["batch"], conf["lr"], conf["seed"], task=task)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     model.save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)
-    (tmp / "toy.json").write_text(json.dumps({"task": task, "version": TOY_VERSION, "key": toy_key(), "sft": TOY_SFT}))
+    (tmp / "toy.json").write_text(json.dumps({"task": task, "version": TOY_VERSION, "key": toy_key(task), "sft": conf}))
     if path.exists():
         shutil.rmtree(path)
     os.replace(tmp, path)

@@ -4,6 +4,7 @@ tokens never reach the loss, the entropy or the STARE token sets."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import torch
 
@@ -99,3 +100,27 @@ def test_eval_with_tools_flag_runs(cli, tmp_path):
     assert code == 0, err
     rows = [json.loads(x) for x in (tmp_path / "ev" / "amc23" / "samples.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all("tool_calls" in r for r in rows)
+
+
+def test_tiny_tool_recipe_trains_through_the_cli(cli, tmp_path):
+    """The tool toy after a short warm-up already calls the tool sometimes; two RL steps run with
+    real sandboxed calls, and the observation tokens are masked in the saved samples' accounting."""
+    from stare_cli.toy import build_model, build_tokenizer, sft
+
+    torch.set_num_threads(1)
+    tok = build_tokenizer("tool")
+    model = build_model(len(tok), seed=0)
+    sft(model, tok, steps=200, batch=32, lr=3e-3, seed=0, log_every=0, task="tool")
+    model.save_pretrained(tmp_path / "m", safe_serialization=True)
+    tok.save_pretrained(tmp_path / "m")
+    args = ["train", "--recipe", "tiny/tool", "--method", "stare-o1", "--out", str(tmp_path / "runs"),
+            "-o", f"model.path={tmp_path / 'm'}", "-o", "optim.total_steps=2", "-o", "rollout.gen_batch_size=8",
+            "-o", "optim.train_batch_size=8", "-o", "optim.mini_batch_size=8", "-o", "optim.micro_batch_size=64",
+            "-o", "eval.limit=8", "-o", "eval.every=0", "-o", "method.dynamic_sampling=false"]
+    code, out, err = cli(*args)
+    assert code == 0, err
+    run = Path(out.strip().splitlines()[-1])
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert sum(r["tools/calls_per_response"] for r in rows) > 0
+    assert all(r["tools/error_rate"] < 0.5 for r in rows if r["tools/calls_per_response"] > 0)
+    assert "eval/toy:tool/acc" in rows[-1]

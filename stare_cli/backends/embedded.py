@@ -38,9 +38,12 @@ def load_prompts(cfg: Recipe) -> list[dict]:
     """Training rows {'problem', 'answer'} from a toy task, a local file or a hub dataset."""
     src = cfg.data.train
     if src.startswith("toy:"):
-        from stare_cli.toy import problems
+        from stare_cli.toy import problems, tool_problems
 
-        rows = problems(cfg.data.max_samples or 20000, seed=1000 + 0)
+        gen = {"toy:arith": problems, "toy:tool": tool_problems}.get(src)
+        if gen is None:
+            raise StareError(f"data.train: unknown toy task '{src}'", hint="toy:arith or toy:tool")
+        rows = gen(cfg.data.max_samples or 20000, seed=1000)
         return [{"problem": r["problem"], "answer": r["answer"]} for r in rows]
     path = Path(src)
     try:
