@@ -141,7 +141,8 @@ def run_eval(model: str, benches: list[str], engine_name: str = "auto", n: Optio
              limit: Optional[int] = None, out: Optional[Path] = None, template: str = "paper",
              temperature: Optional[float] = None, top_p: Optional[float] = None, max_tokens: Optional[int] = None,
              seed: int = 0, data_file: Optional[str] = None, base_url: Optional[str] = None, workers: Optional[int] = None,
-             device: str = "auto", batch_size: int = 64, dtype: str = "auto", tools: Optional[str] = None) -> dict[str, dict]:
+             device: str = "auto", batch_size: int = 64, dtype: str = "auto", tools: Optional[str] = None,
+             vllm_kwargs: Optional[dict] = None) -> dict[str, dict]:
     """Evaluate `model` on `benches`; returns {bench: results}. Prints progress on stderr."""
     import sys
 
@@ -158,7 +159,7 @@ def run_eval(model: str, benches: list[str], engine_name: str = "auto", n: Optio
     path, run_dir = resolve_model(model)
     if engine_name == "auto":
         engine_name = _auto_engine()
-    engine, tok = _make_engine(engine_name, path, base_url, device, batch_size, dtype)
+    engine, tok = _make_engine(engine_name, path, base_url, device, batch_size, dtype, vllm_kwargs or {})
     if out is None:
         out = (run_dir / "eval" / Path(path).name) if run_dir else Path("evals") / path.strip("/").replace("/", "__")
     results = {}
@@ -203,7 +204,8 @@ def _auto_engine() -> str:
         return "hf"
 
 
-def _make_engine(name: str, path: str, base_url: Optional[str], device: str, batch_size: int, dtype: str):
+def _make_engine(name: str, path: str, base_url: Optional[str], device: str, batch_size: int, dtype: str,
+                 vllm_kwargs: dict):
     from benchmarks.engines import HFEngine, OpenAIEngine, VLLMEngine, load_tokenizer
     from stare_cli.errors import StareError
 
@@ -216,7 +218,7 @@ def _make_engine(name: str, path: str, base_url: Optional[str], device: str, bat
             tok = None  # the server applies no template; prompts are built without a chat template
         return OpenAIEngine(base_url, path), tok
     if name == "vllm":
-        e = VLLMEngine(path)
+        e = VLLMEngine(path, **vllm_kwargs)
         return e, e.tok
     import torch
     from transformers import AutoModelForCausalLM

@@ -168,6 +168,8 @@ def eval_cmd(
     workers: Annotated[Optional[int], typer.Option(min=0, help="Grading processes (default: all cores; 0: in-process).")] = None,
     harness: Annotated[Harness, typer.Option(help="native, or the lm-eval bridge.")] = Harness.native,
     tools: Annotated[Optional[str], typer.Option(help="Let the model call a tool: 'python' (sandboxed).")] = None,
+    tensor_parallel: Annotated[int, typer.Option(min=1, help="vLLM tensor parallel size.")] = 1,
+    gpu_memory_utilization: Annotated[float, typer.Option(min=0.05, max=1.0, help="vLLM share of GPU memory.")] = 0.85,
     as_json: JsonOpt = False,
 ) -> None:
     """Evaluate a model on math benchmarks (avg@N, pass@k, maj@k)."""
@@ -184,7 +186,8 @@ def eval_cmd(
     from benchmarks.evaluate import run_eval
 
     results = run_eval(model, bench, engine.value, n, limit, out, template.value, temperature, top_p, max_tokens,
-                       seed, data_file, base_url, workers, tools=tools)
+                       seed, data_file, base_url, workers, tools=tools,
+                       vllm_kwargs={"tensor_parallel_size": tensor_parallel, "gpu_memory_utilization": gpu_memory_utilization})
     rows = {b: r["metrics"] for b, r in results.items()}
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
