@@ -174,3 +174,16 @@ def test_training_with_tools_enabled_logs_tool_metrics(cli, tmp_path, quick_toy)
                  "rollout.tools.enable=true")
     row = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     assert {"tools/calls_per_response", "tools/error_rate", "tools/turns"} <= set(row)
+
+
+def test_bf16_autocast_trains_on_cpu(cli, tmp_path, quick_toy):
+    run = _train(cli, tmp_path, quick_toy, "stare-o1", "optim.total_steps=2", "optim.precision=bf16",
+                 "method.dynamic_sampling=false")
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
+
+
+def test_fp16_needs_cuda(cli, tmp_path, quick_toy):
+    code, _, err = cli("train", "--recipe", "tiny/arith", "-o", f"model.path={quick_toy}", "-o", "optim.precision=fp16",
+                       "-o", "backend.embedded.device=cpu", "--out", str(tmp_path))
+    assert code == 1 and "fp16 needs a CUDA device" in err

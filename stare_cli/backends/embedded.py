@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+from contextlib import nullcontext
 import os
 import random
 import shutil
@@ -190,11 +191,7 @@ def resume_recipe(run_dir: Path, overrides: list[str]) -> Recipe:
     cfg_file = Path(run_dir) / "config.yaml"
     if not cfg_file.exists():
         raise StareError(f"--resume: '{run_dir}' is not a run directory (no config.yaml)")
-    r = load_recipe(str(cfg_file), None, overrides)
-    import yaml
-
-    name = yaml.safe_load(cfg_file.read_text()).get("name", r.name)
-    return r.model_copy(update={"name": name})
+    return load_recipe(str(cfg_file), None, overrides)  # config.yaml keeps the run's recipe name
 
 
 # ---------------------------------------------------------------------------------------- logger
@@ -307,8 +304,11 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume_dir: Optional[Path]
     eval_grader = Grader(workers=0)  # evaluation: with the fallbacks users expect (stare eval's grader)
     wb = _wandb_init(cfg, run_dir)
     log = StepLog(O.total_steps, step)
-    amp = (torch.autocast(device.type, dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[O.precision])
-           if O.precision != "fp32" else None)
+    def autocast():
+        if O.precision == "fp32":
+            return nullcontext()
+        return torch.autocast(device.type, dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[O.precision])
+
     scaler = torch.amp.GradScaler("cuda") if O.precision == "fp16" else None
 
     try:
@@ -405,7 +405,7 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume_dir: Optional[Path]
             resp_per_mini = O.mini_batch_size * R.n
             fused = O.ppo_epochs == 1 and len(samples) <= min(resp_per_mini, O.micro_batch_size)
             if fused:
-                with (amp if amp else _null()):
+                with autocast():
                     lp_cur, en_cur = token_logprobs_entropy(model, batch["input_ids"], batch["attention_mask"],
                                                             batch["resp_start"], R.temperature)
                 old_logp, entropy = lp_cur.detach().float(), en_cur.detach().float()
@@ -415,7 +415,7 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume_dir: Optional[Path]
                     olds, ents = [], []
                     for i in range(0, len(samples), O.micro_batch_size):
                         sl = slice(i, i + O.micro_batch_size)
-                        with (amp if amp else _null()):
+                        with autocast():
                             lp, en = token_logprobs_entropy(model, batch["input_ids"][sl], batch["attention_mask"][sl],
                                                             batch["resp_start"], R.temperature)
                         olds.append(lp.float())
@@ -457,7 +457,7 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume_dir: Optional[Path]
                         if fused:
                             lp, en = lp_cur, en_cur
                         else:
-                            with (amp if amp else _null()):
+                            with autocast():
                                 lp, en = token_logprobs_entropy(model, batch["input_ids"][idx], batch["attention_mask"][idx],
                                                                 batch["resp_start"], R.temperature, need_entropy=need_ent)
                         a_mb = adv[idx]
@@ -506,14 +506,6 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume_dir: Optional[Path]
         if wb is not None:
             wb.finish()
     return run_dir
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *a):
-        return False
 
 
 def _tool_spec(cfg: Recipe):
