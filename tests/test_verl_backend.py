@@ -159,3 +159,32 @@ def test_reward_function_matches_the_grader():
 
     assert compute_score("aime24", "so \\boxed{\\dfrac12}", "\\frac{1}{2}") == {"score": 1.0, "acc": True}
     assert compute_score("math500", "so \\boxed{3}", "4")["acc"] is False
+
+
+def test_tool_use_recipe_configures_verls_tool_agent_with_our_sandbox(tmp_path):
+    import asyncio
+
+    import yaml
+
+    from stare_cli.backends.verl_tools import SandboxTool, tool_config
+    from verl.tools.tool_registry import initialize_tools_from_config
+
+    cfg = load_recipe("tool-use/qwen2.5-7b", "stare-o1")
+    conf = compose(verl_overrides(cfg, run_dir=tmp_path))
+    mt = conf.actor_rollout_ref.rollout.multi_turn
+    assert mt.enable is True and mt.tool_config_path == str(tmp_path / "tools.yaml") and mt.max_assistant_turns == 5
+    assert conf.actor_rollout_ref.rollout.agent.default_agent_loop == "tool_agent"
+    t = cfg.rollout.tools
+    (tmp_path / "tools.yaml").write_text(yaml.safe_dump(tool_config(t.cpu_s, t.wall_s, t.memory_mb, t.output_bytes)))
+    (tool,) = initialize_tools_from_config(str(tmp_path / "tools.yaml"))  # verl's own loader
+    assert isinstance(tool, SandboxTool)
+
+    async def call(code):
+        iid, _ = await tool.create()
+        resp, reward, metrics = await tool.execute(iid, {"code": code})
+        await tool.release(iid)
+        return resp.text, metrics["status"]
+
+    assert asyncio.run(call("print(6 * 7)")) == ("42", "ok")
+    text, status = asyncio.run(call("import urllib.request\nurllib.request.urlopen('http://127.0.0.1:9', timeout=2)"))
+    assert status == "error" and "[error]" in text

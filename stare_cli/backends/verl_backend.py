@@ -126,6 +126,15 @@ def verl_overrides(cfg: Recipe, run_dir: Optional[Path] = None, data_dir: Option
         "trainer.logger": "[console]" if cfg.logging.wandb == "disabled" else "[console,wandb]",
         "trainer.val_before_train": bool(cfg.eval.benchmarks),
     }
+    t = R.tools
+    if t.enable:  # verl's multi-turn tool agent with our sandbox (tool config written beside the run)
+        ov.update({
+            "actor_rollout_ref.rollout.multi_turn.enable": True,
+            "actor_rollout_ref.rollout.multi_turn.tool_config_path": str(run_dir / "tools.yaml"),
+            "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": t.max_turns + 1,
+            "actor_rollout_ref.rollout.multi_turn.max_tool_response_length": t.output_bytes,
+            "actor_rollout_ref.rollout.agent.default_agent_loop": "tool_agent",
+        })
     out = [f"{k}={_val(v)}" for k, v in ov.items()]
     if m.overlong.enable:
         out += [
@@ -241,6 +250,13 @@ def run(cfg: Recipe, out_root: Path, dry_run: bool = False, emit_script: Optiona
         return None
     run_dir = new_run_dir(cfg, out_root)
     overrides = verl_overrides(cfg, run_dir=run_dir, data_dir=data_dir)
+    if cfg.rollout.tools.enable:
+        import yaml
+
+        from stare_cli.backends.verl_tools import tool_config
+
+        t = cfg.rollout.tools
+        (run_dir / "tools.yaml").write_text(yaml.safe_dump(tool_config(t.cpu_s, t.wall_s, t.memory_mb, t.output_bytes)))
     write_run_meta(run_dir, cfg, {"backend": "verl", "overrides": overrides})
     if emit_script:
         emit_script.write_text(ray_job_script(cfg, overrides, run_dir))

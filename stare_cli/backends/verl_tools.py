@@ -1,0 +1,54 @@
+"""The Python sandbox as a verl tool, so verl's multi-turn rollouts (tool_agent loop, hermes tool
+calls) use the same sandbox as the embedded backend. Imported only inside verl processes.
+
+`tool_config(cfg)` is the YAML verl reads from actor_rollout_ref.rollout.multi_turn.tool_config_path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Optional
+from uuid import uuid4
+
+from verl.tools.base_tool import BaseTool
+from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
+
+from stare_cli.sandbox import Limits, run_python
+
+SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": "code_interpreter",
+        "description": "Run Python code in a sandbox and return what it prints (stdout and stderr).",
+        "parameters": {"type": "object", "properties": {"code": {"type": "string", "description": "Python code"}},
+                       "required": ["code"]},
+    },
+}
+
+
+class SandboxTool(BaseTool):  # verl's tool interface
+    def __init__(self, config: dict, tool_schema: Optional[OpenAIFunctionToolSchema] = None):
+        super().__init__(config, tool_schema or OpenAIFunctionToolSchema.model_validate(SCHEMA))
+        self.limits = Limits(cpu_s=int(config.get("cpu_s", 5)), wall_s=float(config.get("wall_s", 10.0)),
+                             memory_mb=int(config.get("memory_mb", 512)), output_bytes=int(config.get("output_bytes", 1024)))
+
+    async def create(self, instance_id: Optional[str] = None, **kwargs) -> tuple[str, ToolResponse]:
+        return instance_id or str(uuid4()), ToolResponse()
+
+    async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs) -> tuple[ToolResponse, float, dict]:
+        code = parameters.get("code", "")
+        if not isinstance(code, str) or not code.strip():
+            return ToolResponse(text="error: no code given"), 0.0, {"status": "error"}
+        obs = await asyncio.to_thread(run_python, code, self.limits)
+        return ToolResponse(text=obs.text()), 0.0, {"status": obs.status, "elapsed_s": obs.elapsed_s}
+
+    async def release(self, instance_id: str, **kwargs) -> None:
+        return None
+
+
+def tool_config(cpu_s: int, wall_s: float, memory_mb: int, output_bytes: int) -> dict:
+    return {"tools": [{
+        "class_name": f"{__name__}.SandboxTool",
+        "config": {"type": "native", "cpu_s": cpu_s, "wall_s": wall_s, "memory_mb": memory_mb, "output_bytes": output_bytes},
+        "tool_schema": SCHEMA,
+    }]}
