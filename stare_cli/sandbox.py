@@ -9,6 +9,8 @@ Containment, per call:
 - no network: a new network namespace when the kernel allows it (only loopback, down); otherwise
   the socket module is disabled in the child before the code runs (a weaker guard, reported in
   `Observation.isolation`);
+- as root, also a private mount namespace in which /tmp, /var/tmp and /dev/shm are fresh tmpfs, so
+  the only writable place that outlives the call is none (the work directory is deleted);
 - output (stdout and stderr together) is read up to a byte limit and truncated.
 A failure of the tool is an observation for the model, never an exception in the caller.
 """
@@ -27,6 +29,9 @@ import time
 from dataclasses import dataclass
 
 CLONE_NEWNET = 0x40000000
+CLONE_NEWNS = 0x00020000
+MS_REC, MS_PRIVATE = 0x4000, 1 << 18
+SCRATCH = (b"/tmp", b"/var/tmp", b"/dev/shm")  # world-writable places, replaced by private tmpfs
 PRELUDE = (
     "import socket as _s\n"
     "def _no_net(*a, **k):\n"
@@ -51,7 +56,7 @@ class Observation:
     exit_code: int
     status: str  # ok | error | timeout | killed | output-truncated
     elapsed_s: float
-    isolation: str  # netns | socket-guard
+    isolation: str  # netns+tmpfs | netns | socket-guard
 
     def text(self) -> str:
         """What the model sees."""
@@ -59,16 +64,36 @@ class Observation:
         return (self.output + tail).strip()
 
 
-def _can_unshare_net() -> bool:
+def _isolate(libc, mounts: bool) -> bool:
+    """New network (and, as root, mount) namespace; world-writable dirs become private tmpfs.
+    Returns whether the mount part worked."""
+    if libc.unshare(CLONE_NEWNET | (CLONE_NEWNS if mounts else 0)) != 0:
+        raise OSError(ctypes.get_errno(), "unshare failed")
+    if not mounts:
+        return False
+    if libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) != 0:
+        return False
+    ok = True
+    for d in SCRATCH:
+        if os.path.isdir(d):
+            ok &= libc.mount(b"tmpfs", d, b"tmpfs", 0, b"size=64m,mode=1777") == 0
+    return ok
+
+
+def _probe() -> str:
+    """Which isolation this kernel allows: 'netns+tmpfs', 'netns' or 'socket-guard'."""
     try:
         pid = os.fork()
     except OSError:
-        return False
+        return "socket-guard"
     if pid == 0:
-        libc = ctypes.CDLL(None, use_errno=True)
-        os._exit(0 if libc.unshare(CLONE_NEWNET) == 0 else 1)
+        try:
+            mounted = _isolate(ctypes.CDLL(None, use_errno=True), os.geteuid() == 0)
+            os._exit(0 if mounted else 1)
+        except BaseException:
+            os._exit(2)
     _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status) == 0
+    return {0: "netns+tmpfs", 1: "netns"}.get(os.waitstatus_to_exitcode(status), "socket-guard")
 
 
 _NETNS = None
@@ -101,17 +126,18 @@ def run_python(code: str, limits: Limits = Limits()) -> Observation:
     """Run `code` with `python -I` in a fresh, limited process; return what it printed."""
     global _NETNS
     if _NETNS is None:
-        _NETNS = _can_unshare_net()
+        _NETNS = _probe()
+    netns = _NETNS != "socket-guard"
     work = tempfile.mkdtemp(prefix="stare-sbx-")
     as_root = os.geteuid() == 0
     if as_root:
         os.chmod(work, 0o777)
     uid = 65534  # nobody
 
-    def preexec() -> None:
+    def preexec() -> None:  # runs in the child after chdir(work), before exec
         os.setsid()
-        if _NETNS:
-            ctypes.CDLL(None, use_errno=True).unshare(CLONE_NEWNET)
+        if netns:  # the work dir stays reachable as the cwd even under the private /tmp
+            _isolate(ctypes.CDLL(None, use_errno=True), _NETNS == "netns+tmpfs")
         resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 1))
         mem = limits.memory_mb * 1024 * 1024
         resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
@@ -124,7 +150,7 @@ def run_python(code: str, limits: Limits = Limits()) -> Observation:
             os.setuid(uid)
         resource.setrlimit(resource.RLIMIT_NPROC, (limits.nproc, limits.nproc))
 
-    src = code if _NETNS else PRELUDE + code
+    src = code if netns else PRELUDE + code
     env = {"HOME": work, "TMPDIR": work, "PATH": "/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1", "LANG": "C.UTF-8"}
     t0 = time.monotonic()
     status = "ok"
@@ -133,7 +159,7 @@ def run_python(code: str, limits: Limits = Limits()) -> Observation:
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=preexec)
     except OSError as e:
         shutil.rmtree(work, ignore_errors=True)
-        return Observation(f"sandbox could not start: {e}", -1, "error", 0.0, "netns" if _NETNS else "socket-guard")
+        return Observation(f"sandbox could not start: {e}", -1, "error", 0.0, _NETNS)
     out = bytearray()
     truncated = False
     os.set_blocking(proc.stdout.fileno(), False)
@@ -172,4 +198,4 @@ def run_python(code: str, limits: Limits = Limits()) -> Observation:
     text = out.decode("utf-8", errors="replace")
     if truncated:
         text += "\n[output truncated]"
-    return Observation(text, code_, status, elapsed, "netns" if _NETNS else "socket-guard")
+    return Observation(text, code_, status, elapsed, _NETNS)

@@ -65,3 +65,11 @@ def test_huge_output_is_truncated():
 def test_exceptions_are_observations():
     o = run_python("1/0", L)
     assert o.status == "error" and "ZeroDivisionError" in o.text()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="private mounts need root")
+def test_world_writable_dirs_are_private():
+    probe = f"/tmp/stare_sandbox_probe_{os.getpid()}"
+    o = run_python(f"open({probe!r}, 'w').write('x')\nprint('wrote')", L)
+    assert o.isolation == "netns+tmpfs"
+    assert o.status == "ok" and not os.path.exists(probe)  # written into the call's private /tmp only
