@@ -16,6 +16,7 @@ temporary directory and renamed; `checkpoints/latest` is a symlink swapped atomi
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from contextlib import nullcontext
@@ -81,11 +82,12 @@ def load_prompts(cfg: Recipe) -> list[dict]:
     return rows
 
 
-def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
+@functools.lru_cache(maxsize=4)  # take_prompts asks once per prompt; shuffle once per epoch
+def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> tuple[int, ...]:
     order = list(range(n))
     if shuffle:
         random.Random(seed * 1_000_003 + epoch).shuffle(order)
-    return order
+    return tuple(order)
 
 
 def take_prompts(rows: list[dict], cursor: int, k: int, seed: int, shuffle: bool) -> tuple[list[dict], int]:
