@@ -17,19 +17,24 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 
-def load_tokenizer(path: str, trust_remote_code: bool = False):
-    """AutoTokenizer, except for tokenizers saved as plain `tokenizers` objects (the CPU toy's):
-    transformers 5 would pick a tokenizer class from the model type and drop their pre-tokenizer."""
+def is_plain_tokenizer(path: str) -> bool:
+    """Saved from a plain `tokenizers` object (the CPU toy's), not a model family's tokenizer class."""
     import json
     from pathlib import Path
 
+    cfg_file = Path(path) / "tokenizer_config.json"
+    if not cfg_file.exists():
+        return False
+    return json.loads(cfg_file.read_text()).get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    """AutoTokenizer, except for tokenizers saved as plain `tokenizers` objects (the CPU toy's):
+    transformers 5 would pick a tokenizer class from the model type and drop their pre-tokenizer."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    cfg_file = Path(path) / "tokenizer_config.json"
-    if cfg_file.exists():
-        cls = json.loads(cfg_file.read_text()).get("tokenizer_class")
-        if cls in ("TokenizersBackend", "PreTrainedTokenizerFast"):
-            return PreTrainedTokenizerFast.from_pretrained(path)
+    if is_plain_tokenizer(path):
+        return PreTrainedTokenizerFast.from_pretrained(path)
     return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 

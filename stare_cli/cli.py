@@ -50,6 +50,11 @@ class Backend(str, Enum):
     verl = "verl"
 
 
+class Device(str, Enum):
+    cpu = "cpu"
+    cuda = "cuda"
+
+
 class Engine(str, Enum):
     auto = "auto"
     hf = "hf"
@@ -94,6 +99,10 @@ def train(
         Optional[Path], typer.Option(help="Continue this run directory from its latest checkpoint.")
     ] = None,
     threads: Annotated[Optional[int], typer.Option(min=1, help="torch threads (embedded backend).")] = None,
+    device: Annotated[
+        Optional[Device],
+        typer.Option(help="Override the backend's device; verl with cpu: the CPU debug path (README, 'verl on CPU')."),
+    ] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="verl: print the generated overrides and exit.")] = False,
     emit_script: Annotated[
         Optional[Path], typer.Option(help="verl: write a `ray job submit` script instead of launching.")
@@ -120,6 +129,9 @@ def train(
         raise StareError("stare train needs --recipe (or --resume RUN_DIR)", hint="`stare recipes list` shows recipes")
     else:
         cfg = load_recipe(recipe, method, overrides)
+    if device is not None:  # the key depends on the backend the recipe and overrides chose
+        overrides.append(f"backend.{cfg.backend.name}.device={device.value}")
+        cfg = resume_recipe(resume, overrides) if resume is not None else load_recipe(recipe, method, overrides)
     if cfg.backend.name == "verl":
         from stare_cli.backends import verl_backend
 

@@ -120,7 +120,24 @@ def build_tokenizer(task: str = "arith"):
     pattern = "|".join(re.escape(w) for w in sorted(words, key=len, reverse=True)) + "|."
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(pattern), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    fast.chat_template = RAW_CHAT_TEMPLATE
+    return fast
+
+
+# The `raw` prompt (problem + newline) as a chat template: verl renders every prompt through one.
+RAW_CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+
+
+def add_chat_template(path: Path) -> None:
+    """Toy models cached before the tokenizer carried RAW_CHAT_TEMPLATE get it (same weights, same key)."""
+    f = path / "tokenizer_config.json"
+    conf = json.loads(f.read_text())
+    if not conf.get("chat_template"):
+        conf["chat_template"] = RAW_CHAT_TEMPLATE
+        tmp = f.with_name(f.name + f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(conf, indent=2))
+        os.replace(tmp, f)
 
 
 def build_model(vocab_size: int, seed: int = 0):
@@ -207,6 +224,7 @@ def ensure_toy_model(task: str = "arith", force: bool = False, threads: Optional
         raise StareError(f"unknown toy task '{task}'", hint="toy tasks: 'toy:arith', 'toy:tool'")
     path = toy_dir(task)
     if path.exists() and not force:
+        add_chat_template(path)
         return path
     import torch
 

@@ -26,21 +26,6 @@ FAST = [
 ]
 
 
-@pytest.fixture(scope="session")
-def quick_toy(tmp_path_factory):
-    """The toy model after a short warm-up (250 steps): it writes boxed answers, some right."""
-    from stare_cli.toy import build_model, build_tokenizer, sft
-
-    path = tmp_path_factory.mktemp("quick_toy")
-    torch.set_num_threads(1)
-    tok = build_tokenizer()
-    model = build_model(len(tok), seed=0)
-    sft(model, tok, steps=250, batch=32, lr=3e-3, seed=0, log_every=0)
-    model.save_pretrained(path, safe_serialization=True)
-    tok.save_pretrained(path)
-    return path
-
-
 def _train(cli, tmp_path, model_dir, method, *extra):
     args = ["train", "--recipe", "tiny/arith", "--method", method, "--out", str(tmp_path / "runs"),
             "-o", f"model.path={model_dir}"]

@@ -188,3 +188,61 @@ def test_tool_use_recipe_configures_verls_tool_agent_with_our_sandbox(tmp_path):
     assert asyncio.run(call("print(6 * 7)")) == ("42", "ok")
     text, status = asyncio.run(call("import urllib.request\nurllib.request.urlopen('http://127.0.0.1:9', timeout=2)"))
     assert status == "error" and "[error]" in text
+
+
+def test_cpu_device_overrides_compose_and_validate():
+    from stare_cli.backends.verl_backend import compose, verl_overrides
+    from stare_cli.recipes import load_recipe
+
+    cfg = load_recipe("tiny/arith", "stare-o1", ["backend.verl.device=cpu", "optim.micro_batch_size=16"])
+    ov = verl_overrides(cfg)
+    conf = compose(ov)
+    assert conf.actor_rollout_ref.rollout.name == "hf" and conf.trainer.device == "cpu"
+    assert conf.ray_kwargs.ray_init.num_gpus == 1 and conf.actor_rollout_ref.model.use_remove_padding is False
+    # the recipe's algorithmic values are untouched by the CPU path
+    assert conf.actor_rollout_ref.actor.clip_ratio_high == 0.28 and conf.algorithm.filter_groups.enable is True
+    assert sum(o.startswith("trainer.n_gpus_per_node=") for o in ov) == 1
+
+
+def test_stare_micro_batch_scope_is_refused_on_verl():
+    from stare_cli.backends.verl_backend import method_payload
+    from stare_cli.errors import StareError
+    from stare_cli.recipes import load_recipe
+
+    cfg = load_recipe("short-cot/qwen2.5-math-7b", "stare-o1", ["method.stare.scope=micro_batch"])
+    with pytest.raises(StareError, match="scope=micro_batch"):
+        method_payload(cfg)
+
+
+def test_hf_rollout_server_batches_requests_and_takes_weights(quick_toy):
+    import asyncio
+
+    import torch
+    from safetensors.torch import load_file
+
+    from stare_cli.backends.verl_cpu import HFServer
+
+    server = HFServer(str(quick_toy), response_length=12, prompt_length=16, seed=0)
+    calls = []
+    orig = server.model.generate
+    server.model.generate = lambda *a, **k: calls.append(k["input_ids"].shape) or orig(*a, **k)
+    prompts = [[3, 32, 17, 26, 18, 29, 34], [3, 32, 18, 29, 34]]
+
+    async def go():
+        return await asyncio.gather(*[server.generate(p, {"temperature": 1.0, "top_p": 1.0, "top_k": -1,
+                                                          "logprobs": True}, f"r{i}") for i, p in enumerate(prompts * 3)])
+
+    outs = asyncio.run(go())
+    assert calls == [(6, 7)]  # six concurrent requests, one left-padded batch
+    for o in outs:
+        assert 1 <= len(o.token_ids) <= 12 and len(o.log_probs) == len(o.token_ids)
+        assert all(lp <= 0 for lp in o.log_probs)
+        assert o.stop_reason in ("completed", "length")
+        assert (o.stop_reason == "completed") == (o.token_ids[-1] in server.eos_ids)
+    state = load_file(str(quick_toy / "model.safetensors"))
+    zeroed = {k: torch.zeros_like(v) for k, v in state.items()}
+    assert server.load_weights(zeroed, global_steps=3) == len(state)
+    assert all(float(p.detach().abs().sum()) == 0 for p in server.model.parameters())
+    assert asyncio.run(server.generate([3, 32], {"temperature": 0}, "x")).extra_fields["global_steps"] == 3
+    with pytest.raises(KeyError, match="does not have"):
+        server.load_weights({"not.a.weight": torch.zeros(1)}, global_steps=4)

@@ -8,9 +8,10 @@ verl's driver (see `verl_ext.py`, imported in every verl process through VERL_US
 using the old-log-prob pass's log-probs and token entropies. Rewards come from our grader
 (`verl_reward.py`), so verdicts equal `stare eval`'s.
 
-What is and is not exercised without GPUs: the overrides compose into verl's full config offline
-and pass verl's validate_config (tests); the driver transforms are unit-tested on verl's DataProto.
-A verl training run itself needs GPUs (vLLM rollout) and was not run here.
+`backend.verl.device: cpu` (`stare train --device cpu`) runs verl's real trainer on CPU through the
+project's support module `verl_cpu.py` (CPU platform, gloo, FSDP2 on CPU, an HF-generate rollout
+server in place of vLLM); a CI test trains 2 steps that way with STARE active. What that does not
+exercise (vLLM, NCCL, multi-GPU sharding, flash-attention) is listed in `verl_cpu.py`.
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ def method_payload(cfg: Recipe) -> dict:
 
     spec = check_method(cfg.method.name)
     m = cfg.method
+    if spec.stare and m.stare.scope != "batch":
+        from stare_cli.errors import StareError
+
+        raise StareError(f"method.stare.scope={m.stare.scope}: the verl backend selects L+/L- over the whole batch",
+                         hint="use method.stare.scope=batch, or the embedded backend for per-micro-batch selection")
     return {
         "method": spec.name, "stare": spec.stare, "stare_cfg": m.stare.model_dump(), "top_entropy": spec.top_entropy,
         "top_entropy_frac": m.top_entropy_frac, "entro_adv": spec.entro_adv, "entro_adv_cfg": m.entro_adv.model_dump(),
@@ -59,7 +65,7 @@ def verl_overrides(cfg: Recipe, run_dir: Optional[Path] = None, data_dir: Option
         "algorithm.filter_groups.max_num_gen_batches": R.max_gen_batches if m.dynamic_sampling else 0,
         # data
         "data.train_files": str(data_dir / "train.parquet"),
-        "data.val_files": "[" + ",".join(str(data_dir / f"{b}.parquet") for b in cfg.eval.benchmarks) + "]"
+        "data.val_files": "[" + ",".join(str(data_dir / bench_file(b)) for b in cfg.eval.benchmarks) + "]"
         if cfg.eval.benchmarks else str(data_dir / "train.parquet"),
         "data.prompt_key": "prompt",
         "data.max_prompt_length": R.max_prompt_tokens,
@@ -114,6 +120,7 @@ def verl_overrides(cfg: Recipe, run_dir: Optional[Path] = None, data_dir: Option
         "reward.custom_reward_function.name": "compute_score",
         "reward.reward_manager.name": "dapo" if m.overlong.enable else "naive",
         # trainer
+        "trainer.use_v1": True,  # our driver extension patches the V1 trainer
         "trainer.total_training_steps": O.total_steps,
         "trainer.nnodes": V.nnodes,
         "trainer.n_gpus_per_node": V.n_gpus_per_node,
@@ -135,6 +142,10 @@ def verl_overrides(cfg: Recipe, run_dir: Optional[Path] = None, data_dir: Option
             "actor_rollout_ref.rollout.multi_turn.max_tool_response_length": t.output_bytes,
             "actor_rollout_ref.rollout.agent.default_agent_loop": "tool_agent",
         })
+    if V.device == "cpu":  # the CPU debug path (verl_cpu.py): its values win over the recipe's
+        from stare_cli.backends.verl_cpu import cpu_overrides
+
+        ov.update(cpu_overrides())
     out = [f"{k}={_val(v)}" for k, v in ov.items()]
     if m.overlong.enable:
         out += [
@@ -145,6 +156,11 @@ def verl_overrides(cfg: Recipe, run_dir: Optional[Path] = None, data_dir: Option
             f"+reward.reward_kwargs.max_resp_len={R.max_response_tokens}",
         ]
     return out
+
+
+def bench_file(bench: str) -> str:
+    """Parquet file name of a benchmark (`toy:arith` -> toy-arith.parquet)."""
+    return bench.replace(":", "-").replace("/", "-") + ".parquet"
 
 
 def _val(v) -> str:
@@ -177,11 +193,17 @@ def launch_command(cfg: Recipe, overrides: list[str]) -> list[str]:
 
 
 def environment(cfg: Recipe, run_dir: Path) -> dict[str, str]:
-    return {
+    env = {
         "VERL_USE_EXTERNAL_MODULES": EXT_MODULE,
         "STARE_VERL_METHOD": json.dumps(method_payload(cfg)),
         "STARE_RUN_DIR": str(run_dir),
     }
+    if cfg.backend.verl.device == "cpu":
+        from stare_cli.backends import verl_cpu
+
+        env.update(verl_cpu.environment())
+        env["VERL_USE_EXTERNAL_MODULES"] = f"{verl_cpu.MODULE},{EXT_MODULE}"
+    return env
 
 
 def ray_job_script(cfg: Recipe, overrides: list[str], run_dir: Path) -> str:
@@ -226,9 +248,7 @@ def prepare_data(cfg: Recipe, out_dir: Path, limit: Optional[int] = None) -> lis
     frame(load_prompts(cfg), cfg.data.train, "train").to_parquet(p)
     written.append(p)
     for b in cfg.eval.benchmarks:
-        if b.startswith("toy:"):
-            continue
-        p = out_dir / f"{b}.parquet"
+        p = out_dir / bench_file(b)
         frame(load_benchmark(b, limit=cfg.eval.limit), b, "test").to_parquet(p)
         written.append(p)
     return written
@@ -248,6 +268,11 @@ def run(cfg: Recipe, out_root: Path, dry_run: bool = False, emit_script: Optiona
         for o in verl_overrides(cfg, data_dir=data_dir):
             print(o)
         return None
+    if cfg.model.path.startswith("toy:") and not emit_script:  # verl needs a model directory
+        from stare_cli.backends.embedded import resolve_model_path
+
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(
+            update={"path": resolve_model_path(cfg.model.path, cfg.backend.embedded.threads)})})
     run_dir = new_run_dir(cfg, out_root)
     overrides = verl_overrides(cfg, run_dir=run_dir, data_dir=data_dir)
     if cfg.rollout.tools.enable:
@@ -271,7 +296,20 @@ def run(cfg: Recipe, out_root: Path, dry_run: bool = False, emit_script: Optiona
     if not train_file.exists():
         raise StareError(f"verl data not found: {train_file}", hint=f"stare data prepare --recipe {cfg.name}")
     env = {**os.environ, **environment(cfg, run_dir)}
-    proc = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", *overrides], env=env)
-    if proc.returncode:
-        raise StareError(f"verl exited with code {proc.returncode}", hint=f"see the output above; run dir {run_dir}")
+    # verl's output (its console logger included) goes to stderr and to verl.log in the run directory;
+    # stdout carries only the run directory, as with the embedded backend.
+    with open(run_dir / "verl.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "verl.trainer.main_ppo", *overrides], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
+        try:
+            for line in proc.stdout:
+                log.write(line)
+                sys.stderr.write(line)
+            code = proc.wait()
+        except KeyboardInterrupt:
+            proc.terminate()
+            proc.wait()
+            raise
+    if code:
+        raise StareError(f"verl exited with code {code}", hint=f"see {run_dir / 'verl.log'}")
     return run_dir

@@ -1,12 +1,13 @@
 """Our methods inside verl 0.9.x: imported in every verl process (VERL_USE_EXTERNAL_MODULES and
 actor_rollout_ref.model.external_lib name this module); it acts only where STARE_VERL_METHOD is set.
 
-In verl's driver (the process that runs RayPPOTrainer.fit):
-- after the old-log-prob pass, the token entropies are kept and the STARE controller is updated
-  once per step with their token-mean over the response mask (the same number verl logs as
-  actor/entropy);
-- after verl's compute_advantage, `transform_advantages` applies the method's token-level
-  transform (STARE weights, the 80/20 mask, EntroAdv, W-REINFORCE) before the actor update;
+In verl's driver (the process that runs verl's V1 PPOTrainer.fit, main_ppo's default):
+- after verl's `_compute_advantage` (GRPO advantages, one per response, in TransferQueue), the
+  token entropies and log-probs of the old-log-prob pass are read back, the STARE controller is
+  updated once per step with their token-mean over the response mask (the number verl logs as
+  actor/entropy under token-mean aggregation), and `transform_advantages` applies the method's
+  token-level transform (STARE weights, the 80/20 mask, EntroAdv, W-REINFORCE); the result replaces
+  the advantages in TransferQueue before the actor update;
 - the controller state is saved beside verl's checkpoints and restored with them;
 - every metrics row verl logs is mirrored into $STARE_RUN_DIR/metrics.jsonl (with the controller's
   gate, W and M), so `stare compare` reads verl runs like embedded ones.
@@ -55,40 +56,43 @@ def make_controller(payload: dict):
 
 
 def install(payload: dict, run_dir: Optional[Path]) -> None:  # pragma: no cover - runs inside verl's driver
-    from verl.trainer.ppo import ray_trainer
+    """Patch verl's V1 trainer (main_ppo's default, `trainer.use_v1=True`) in this process."""
+    from verl.trainer.ppo.v1 import trainer_base
     from verl.utils import tracking
 
-    if getattr(ray_trainer, "_stare_installed", False):
+    if getattr(trainer_base, "_stare_installed", False):
         return
-    ray_trainer._stare_installed = True
+    trainer_base._stare_installed = True
     controller = make_controller(payload)
-    state: dict[str, Any] = {"entropy": None, "metrics": {}}
+    state: dict[str, Any] = {"metrics": {}}
+    Trainer = trainer_base.PPOTrainer
 
-    orig_old = ray_trainer.RayPPOTrainer._compute_old_log_prob
+    orig_adv = Trainer._compute_advantage
 
-    def _compute_old_log_prob(self, batch, *a, **k):
-        out = orig_old(self, batch, *a, **k)
-        old = out[0] if isinstance(out, tuple) else out
-        ent = old.batch["entropys"].float()
-        mask = batch.batch["response_mask"].float()
-        state["entropy"] = ent.clone()
-        controller.update(float((ent * mask).sum() / mask.sum().clamp(min=1)))
-        return out
+    def _compute_advantage(self, batch, metrics):
+        # verl's GRPO path broadcasts one advantage per response; the token-level transform comes
+        # after it, on the same padded layout verl uses, and is written back in verl's format.
+        import transfer_queue as tq
+        from tensordict import TensorDict
+        from verl.workers.utils.padding import response_to_nested
 
-    orig_adv = ray_trainer.compute_advantage
+        batch = orig_adv(self, batch, metrics)
+        fields = ["advantages", "response_mask", "old_log_probs", "entropy", "rm_scores"]
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
+        nested_mask = data["response_mask"]
+        padded = data.to_padded_tensor()
+        adv, mask, ent = padded["advantages"], padded["response_mask"], padded["entropy"].float()
+        m = mask.float()
+        controller.update(float((ent * m).sum() / m.sum().clamp(min=1)))  # token-mean H of the old-log-prob pass
+        adv, step_metrics = transform_advantages(payload, controller, adv, mask, padded["old_log_probs"], ent,
+                                                 padded["rm_scores"])
+        out = TensorDict({"advantages": response_to_nested(adv, nested_mask)}, batch_size=len(batch))
+        batch = tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=out)
+        metrics.update(step_metrics)
+        state["metrics"] = step_metrics
+        return batch
 
-    def compute_advantage(data, *a, **k):
-        data = orig_adv(data, *a, **k)
-        ent = state["entropy"]
-        if ent is not None and ent.shape != data.batch["advantages"].shape:
-            raise RuntimeError("stare: entropies of the old-log-prob pass do not match the batch")
-        adv, metrics = transform_advantages(payload, controller, data.batch["advantages"], data.batch["response_mask"],
-                                            data.batch["old_log_probs"], ent, data.batch["token_level_rewards"])
-        data.batch["advantages"] = adv
-        state["metrics"] = metrics
-        return data
-
-    orig_save = ray_trainer.RayPPOTrainer._save_checkpoint
+    orig_save = Trainer._save_checkpoint
 
     def _save_checkpoint(self, *a, **k):
         r = orig_save(self, *a, **k)
@@ -97,29 +101,27 @@ def install(payload: dict, run_dir: Optional[Path]) -> None:  # pragma: no cover
         (folder / "stare_controller.json").write_text(json.dumps(controller.state_dict()))
         return r
 
-    orig_load = ray_trainer.RayPPOTrainer._load_checkpoint
+    orig_load = Trainer._load_checkpoint
 
     def _load_checkpoint(self, *a, **k):
         r = orig_load(self, *a, **k)
         f = Path(self.config.trainer.default_local_dir) / f"global_step_{self.global_steps}" / "stare_controller.json"
-        if f.exists():
+        if self.global_steps and f.exists():
             controller.load_state_dict(json.loads(f.read_text()))
         return r
 
     orig_log = tracking.Tracking.log
 
     def log(self, data, step, backend=None):
-        data = {**data, **state["metrics"]}
         if run_dir is not None:
             row = {"step": step, **mirror_keys(data)}
             with open(run_dir / "metrics.jsonl", "a") as fh:
                 fh.write(json.dumps(row, default=float) + "\n")
         return orig_log(self, data, step, backend) if backend is not None else orig_log(self, data, step)
 
-    ray_trainer.RayPPOTrainer._compute_old_log_prob = _compute_old_log_prob
-    ray_trainer.compute_advantage = compute_advantage
-    ray_trainer.RayPPOTrainer._save_checkpoint = _save_checkpoint
-    ray_trainer.RayPPOTrainer._load_checkpoint = _load_checkpoint
+    Trainer._compute_advantage = _compute_advantage
+    Trainer._save_checkpoint = _save_checkpoint
+    Trainer._load_checkpoint = _load_checkpoint
     tracking.Tracking.log = log
 
 
@@ -137,6 +139,46 @@ def mirror_keys(data: dict) -> dict:
     return out
 
 
+def _plain_tokenizer_support() -> None:
+    """Models whose tokenizer is a plain `tokenizers` object (the CPU toy's; see
+    benchmarks.engines.load_tokenizer): transformers 5's AutoTokenizer picks a class from the model
+    type (Qwen2Tokenizer) and drops their pre-tokenizer, and verl's agent loop picks the ChatML
+    boundary handling from the model type, which needs <|im_end|>. Both are steered to the generic
+    path for such tokenizers only; every other model loads exactly as verl does it."""
+    import verl.utils
+    import verl.utils.tokenizer
+    from verl.utils.tokenizer import continuous_token_wiring
+    from verl.utils.tokenizer import tokenizer as verl_tok
+
+    from benchmarks.engines import is_plain_tokenizer, load_tokenizer
+
+    orig_tok = verl_tok.hf_tokenizer
+    if not getattr(orig_tok, "_stare", False):
+        def hf_tokenizer(name_or_path, correct_pad_token=True, correct_gemma2=True, **kwargs):
+            if isinstance(name_or_path, (str, Path)) and is_plain_tokenizer(str(name_or_path)):
+                tok = load_tokenizer(str(name_or_path))
+                if correct_pad_token:
+                    verl_tok.set_pad_token_id(tok)
+                return tok
+            return orig_tok(name_or_path, correct_pad_token=correct_pad_token, correct_gemma2=correct_gemma2, **kwargs)
+
+        hf_tokenizer._stare = True
+        for mod in (verl.utils, verl.utils.tokenizer, verl_tok):
+            mod.hf_tokenizer = hf_tokenizer
+    orig = continuous_token_wiring.create_continuous_token_builder
+    if getattr(orig, "_stare", False):
+        return
+
+    def create_continuous_token_builder(tokenizer, *, model_family="auto", **kwargs):
+        vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+        if model_family == "auto" and "<|im_end|>" not in vocab:
+            model_family = "default"
+        return orig(tokenizer, model_family=model_family, **kwargs)
+
+    create_continuous_token_builder._stare = True
+    continuous_token_wiring.create_continuous_token_builder = create_continuous_token_builder
+
+
 try:  # our losses under our method names, in every process that has verl (actor workers look them up)
     from baselines.verl_adapter import register_all
 
@@ -144,7 +186,14 @@ try:  # our losses under our method names, in every process that has verl (actor
 except ImportError:
     pass
 
+if os.environ.get("VERL_PLATFORM") == "stare_cpu":  # the CPU platform must exist before verl's trainer imports
+    from stare_cli.backends import verl_cpu
+
+    verl_cpu.install()
+
 _payload = os.environ.get("STARE_VERL_METHOD")
+if _payload:
+    _plain_tokenizer_support()
 if _payload:  # only in runs we launched; importing this module elsewhere changes nothing
     try:
         install(json.loads(_payload), Path(os.environ["STARE_RUN_DIR"]) if os.environ.get("STARE_RUN_DIR") else None)
