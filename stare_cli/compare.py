@@ -68,6 +68,47 @@ def _collect_results(folder: Path) -> dict[str, dict]:
     return {b: r for b, (_, r) in found.items()}
 
 
+def _verl_results(run: Path, cfg: dict, rows: list[dict]) -> dict[str, dict]:
+    """bench -> a results.json-like dict from a verl run's mirrored validation metrics (the last
+    step that validated): verl's `val-core/<bench>/acc/mean@N` is avg@N over the validation set."""
+    import re
+
+    pat = re.compile(r"^val-core/(.+)/acc/mean@(\d+)$")
+    latest: dict[str, tuple[int, int, float]] = {}
+    for row in rows:
+        for k, v in row.items():
+            m = pat.match(k)
+            if m:
+                latest[m.group(1)] = (int(row.get("step", 0)), int(m.group(2)), float(v))
+    if not latest:
+        return {}
+    counts: dict[str, int] = {}
+    meta = json.loads((run / "meta.json").read_text()) if (run / "meta.json").exists() else {}
+    val = next((o.split("=", 1)[1] for o in meta.get("overrides", []) if o.startswith("data.val_files=")), "")
+    for f in val.strip("[]").split(","):
+        try:
+            import pandas as pd
+
+            df = pd.read_parquet(f, columns=["data_source"])
+            for src, c in df["data_source"].value_counts().items():
+                counts[str(src)] = counts.get(str(src), 0) + int(c)
+        except Exception:  # the data may live on the cluster only
+            continue
+    ev, ro = cfg.get("eval", {}), cfg.get("rollout", {})
+    out = {}
+    for bench, (step, n, acc) in latest.items():
+        spec = BENCHMARKS.get(bench)
+        problems = counts.get(bench) or (min(ev.get("limit") or spec.size, spec.size) if spec else 0)
+        out[bench] = {
+            "benchmark": bench, "step": step,
+            "settings": {"model": str(run), "limit": ev.get("limit"), "seed": cfg.get("optim", {}).get("seed")},
+            "protocol": {"n": n, "temperature": ev.get("temperature"), "top_p": ev.get("top_p"),
+                         "template": cfg.get("data", {}).get("template"), "max_tokens": ro.get("max_response_tokens")},
+            "metrics": {"n": n, "problems": problems, f"avg@{n}": 100.0 * acc},
+        }
+    return out
+
+
 def load_inputs(paths: list[Path]) -> list[Result]:
     out = []
     for p in paths:
@@ -78,6 +119,8 @@ def load_inputs(paths: list[Path]) -> list[Result]:
             r = Result(label=cfg["method"]["name"], seed=cfg["optim"]["seed"], source=str(p))
             r.metrics_rows = read_jsonl(p / "metrics.jsonl")
             results = _collect_results(p / "eval") if (p / "eval").exists() else {}
+            if not results and cfg.get("backend", {}).get("name") == "verl":
+                results = _verl_results(p, cfg, r.metrics_rows)
         else:
             results = _collect_results(p)
             if not results:

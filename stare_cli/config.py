@@ -227,6 +227,19 @@ class VerlBackend(_Strict):
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM rollout tensor parallel size.")
     gpu_memory_utilization: float = Field(0.6, gt=0, le=1, description="vLLM share of GPU memory.")
     device: Literal["cuda", "cpu"] = Field("cuda", description="cpu: the debug path (see README).")
+    extra_overrides: list[str] = Field(
+        default_factory=list,
+        description="Hydra overrides of verl's ppo_trainer appended verbatim (KEY=VALUE, `+KEY=VALUE` to add "
+        "a key); they win over the generated ones except the CPU path's.",
+    )
+
+    @field_validator("extra_overrides")
+    @classmethod
+    def _key_value(cls, v: list[str]) -> list[str]:
+        bad = [o for o in v if "=" not in o or o.startswith("=")]
+        if bad:
+            raise ValueError(f"not KEY=VALUE: {bad[0]!r}")
+        return v
 
 
 class BackendConfig(_Strict):

@@ -18,6 +18,8 @@ SMALL = [
     f"rollout.n={N}", "rollout.gen_batch_size=4", "rollout.max_gen_batches=4", "optim.train_batch_size=4",
     "optim.mini_batch_size=4", "optim.micro_batch_size=16", "optim.total_steps=2", "eval.limit=8", "eval.n=2",
     "eval.every=2", "checkpoint.every=2", "method.stare.h_tgt=10", f"method.stare.W={W}",
+    # the rollout server returns its log-probs, so verl compares them with the actor's (weight sync)
+    'backend.verl.extra_overrides=["actor_rollout_ref.rollout.calculate_log_probs=True"]',
 ]
 
 
@@ -52,6 +54,9 @@ def test_verl_trains_two_steps_on_cpu_with_stare_active(verl_run):
         assert r["critic/advantages/max"] <= 1.5 * W + 1e-4
         for key in ("reward", "grad_norm", "len/mean", "timing_s/step"):
             assert key in r, key
+        # The HF rollout server samples from the weights the actor just pushed: its log-probs match
+        # the actor's old-log-prob pass (both fp32) at every step, the second included.
+        assert r["training/rollout_probs_diff_max"] < 1e-3
     # validation through our grader, before training and after the last step
     val = [r for r in rows if "val-core/toy:arith/acc/mean@2" in r]
     assert [r["step"] for r in val] == [0, 2]
@@ -65,3 +70,14 @@ def test_verl_checkpoint_carries_the_controller(verl_run):
     meta = json.loads((verl_run / "meta.json").read_text())
     assert any(o == "actor_rollout_ref.rollout.name=hf" for o in meta["overrides"])
     assert "step:2" in (verl_run / "verl.log").read_text()
+
+
+def test_compare_reads_the_verl_run(verl_run, cli):
+    rows = [json.loads(line) for line in (verl_run / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in rows if "val-core/toy:arith/acc/mean@2" in r][-1]["val-core/toy:arith/acc/mean@2"]
+    code, out, err = cli("compare", str(verl_run), "--format", "csv")
+    assert code == 0, err
+    header, row = out.strip().splitlines()[:2]
+    cells = dict(zip(header.split(","), row.split(",")))
+    assert cells["Method"] == "STARE-O1 *"  # flagged: evaluated on a subset (eval.limit=8)
+    assert float(cells["Toy arith"]) == pytest.approx(100 * last, abs=0.05)  # avg@2 in percent, 1 decimal

@@ -142,6 +142,12 @@ def verl_overrides(cfg: Recipe, run_dir: Optional[Path] = None, data_dir: Option
             "actor_rollout_ref.rollout.multi_turn.max_tool_response_length": t.output_bytes,
             "actor_rollout_ref.rollout.agent.default_agent_loop": "tool_agent",
         })
+    if O.precision == "fp32":  # verl's FSDP otherwise computes in bf16 (its default mixed precision)
+        ov["+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype"] = "fp32"
+        ov["actor_rollout_ref.rollout.dtype"] = "float32"
+    for item in V.extra_overrides:
+        key, _, value = item.partition("=")
+        ov[key] = value
     if V.device == "cpu":  # the CPU debug path (verl_cpu.py): its values win over the recipe's
         from stare_cli.backends.verl_cpu import cpu_overrides
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -163,8 +164,10 @@ def _plain_tokenizer_support() -> None:
             return orig_tok(name_or_path, correct_pad_token=correct_pad_token, correct_gemma2=correct_gemma2, **kwargs)
 
         hf_tokenizer._stare = True
-        for mod in (verl.utils, verl.utils.tokenizer, verl_tok):
-            mod.hf_tokenizer = hf_tokenizer
+        # modules imported before this point bound verl's function by name: rebind them too
+        for name, mod in list(sys.modules.items()):
+            if (name == "verl" or name.startswith("verl.")) and getattr(mod, "hf_tokenizer", None) is orig_tok:
+                mod.hf_tokenizer = hf_tokenizer
     orig = continuous_token_wiring.create_continuous_token_builder
     if getattr(orig, "_stare", False):
         return
@@ -176,7 +179,9 @@ def _plain_tokenizer_support() -> None:
         return orig(tokenizer, model_family=model_family, **kwargs)
 
     create_continuous_token_builder._stare = True
-    continuous_token_wiring.create_continuous_token_builder = create_continuous_token_builder
+    for name, mod in list(sys.modules.items()):
+        if (name == "verl" or name.startswith("verl.")) and getattr(mod, "create_continuous_token_builder", None) is orig:
+            mod.create_continuous_token_builder = create_continuous_token_builder
 
 
 try:  # our losses under our method names, in every process that has verl (actor workers look them up)
