@@ -190,38 +190,102 @@ class HFEngine:
 
 
 class VLLMEngine:
-    """vLLM's offline engine. Imported lazily; needs a GPU."""
+    """vLLM's offline engine (imported lazily; needs the vllm extra, normally a GPU).
+
+    Prompts are tokenized like HFEngine's (our tokenizer, no special tokens added, left-truncated)
+    and passed to vLLM as token ids, so both engines see the same tokens. `colocate=True` (the
+    embedded trainer) keeps vLLM's engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0),
+    so that `load_weights` can copy the training model's weights into it before each rollout, the
+    way TRL's colocate mode does."""
 
     name = "vllm"
 
     def __init__(self, model_path: str, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.6,
-                 dtype: str = "bfloat16", max_model_len: Optional[int] = None, trust_remote_code: bool = False):
+                 dtype: str = "bfloat16", max_model_len: Optional[int] = None, trust_remote_code: bool = False,
+                 max_prompt_tokens: Optional[int] = None, colocate: bool = False, seed: int = 0):
+        import os
+
+        if colocate:
+            if tensor_parallel_size != 1:
+                from stare_cli.errors import StareError
+
+                raise StareError("colocated vLLM rollout supports tensor_parallel_size 1",
+                                 hint="use the verl backend for tensor-parallel rollout")
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core (and its model) in this process
         try:
             from vllm import LLM
-        except ImportError as e:  # pragma: no cover - needs the vllm extra and a GPU
+        except ImportError as e:  # pragma: no cover - needs the vllm extra
             from stare_cli.errors import StareError
 
             raise StareError("vLLM is not installed", hint="pip install 'stare[vllm]' on a GPU machine, or --engine hf") from e
         self.llm = LLM(model=model_path, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
                        gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
-                       trust_remote_code=trust_remote_code)
-        self.tok = self.llm.get_tokenizer()
+                       trust_remote_code=trust_remote_code, seed=seed)
+        self.tok = load_tokenizer(model_path, trust_remote_code=trust_remote_code)
+        self.max_prompt_tokens = max_prompt_tokens
 
-    def generate(self, prompts: Sequence[str], sp: SamplingParams, tools=None) -> list[list[Sample]]:  # pragma: no cover
+    def encode(self, prompts: Sequence[str]) -> list[list[int]]:
+        ids = [self.tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        if self.max_prompt_tokens:
+            ids = [x[-self.max_prompt_tokens :] for x in ids]
+        return ids
+
+    def eos_ids(self) -> list[int]:
+        ids = [self.tok.eos_token_id] if self.tok.eos_token_id is not None else []
+        try:
+            extra = self.llm.llm_engine.generation_config_fields.get("eos_token_id")
+        except AttributeError:
+            extra = None
+        for e in ([extra] if isinstance(extra, int) else list(extra or [])):
+            if e not in ids:
+                ids.append(e)
+        return ids
+
+    def _model(self):
+        """vLLM's model module in this process (V1 with multiprocessing off, or V0)."""
+        ex = self.llm.llm_engine.model_executor
+        worker = getattr(ex, "driver_worker", None)
+        for w in (worker, getattr(worker, "worker", None)):
+            runner = getattr(w, "model_runner", None)
+            if runner is not None and hasattr(runner, "model"):
+                return runner.model
+        from stare_cli.errors import StareError
+
+        raise StareError("cannot reach vLLM's model from the trainer process",
+                         hint="colocated rollout needs VLLM_ENABLE_V1_MULTIPROCESSING=0 and tensor_parallel_size 1")
+
+    def load_weights(self, named_tensors) -> None:
+        """Copy (name, tensor) pairs with HF names into vLLM's model; drop KV blocks cached under the
+        old weights."""
+        self._model().load_weights(named_tensors)
+        reset = getattr(self.llm, "reset_prefix_cache", None)
+        if reset is not None:
+            reset()
+
+    def generate(self, prompts: Sequence[str], sp: SamplingParams, tools=None) -> list[list[Sample]]:
         if tools is not None:
             from stare_cli.errors import StareError
 
             raise StareError("tool use runs on the hf engine for now", hint="--engine hf")
         from vllm import SamplingParams as VSP
 
+        ids = self.encode(prompts)
         params = VSP(n=sp.n, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, max_tokens=sp.max_new_tokens,
                      seed=sp.seed)
-        results = self.llm.generate(list(prompts), params, use_tqdm=False)
-        return [
-            [Sample(text=o.text, response_ids=list(o.token_ids), prompt_ids=list(r.prompt_token_ids),
-                    finished=o.finish_reason == "stop") for o in r.outputs]
-            for r in results
-        ]
+        results = self.llm.generate([{"prompt_token_ids": x} for x in ids], params, use_tqdm=False)
+        eos = self.eos_ids()
+        out = []
+        for x, r in zip(ids, results):
+            group = []
+            for o in r.outputs:
+                resp = list(o.token_ids)
+                finished = o.finish_reason == "stop"
+                if finished and eos and (not resp or resp[-1] not in eos) and getattr(o, "stop_reason", None) is None:
+                    resp.append(eos[0])  # stopped at EOS: the trainer learns to emit it
+                group.append(Sample(text=self.tok.decode(resp, skip_special_tokens=True), response_ids=resp,
+                                    prompt_ids=list(x), finished=finished))
+            out.append(group)
+        return out
 
 
 class OpenAIEngine:

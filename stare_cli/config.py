@@ -89,6 +89,9 @@ class RolloutConfig(_Strict):
     engine: Literal["auto", "hf", "vllm"] = Field(
         "auto", description="Rollout engine: vLLM when installed and a GPU is present, else HF generate."
     )
+    vllm_gpu_memory_utilization: float = Field(
+        0.3, gt=0, le=1, description="Embedded trainer: GPU memory share of the colocated vLLM rollout engine."
+    )
     tools: ToolsConfig = Field(default_factory=ToolsConfig)
 
 

@@ -172,3 +172,30 @@ def test_fp16_needs_cuda(cli, tmp_path, quick_toy):
     code, _, err = cli("train", "--recipe", "tiny/arith", "-o", f"model.path={quick_toy}", "-o", "optim.precision=fp16",
                        "-o", "backend.embedded.device=cpu", "--out", str(tmp_path))
     assert code == 1 and "fp16 needs a CUDA device" in err
+
+
+def test_vllm_rollout_gets_the_trained_weights_before_every_step(cli, tmp_path, quick_toy, monkeypatch):
+    """The colocated vLLM path with a stand-in `vllm` (tests/fixtures/fake_vllm.py): before each
+    step's rollout the engine holds exactly the weights of the previous step's checkpoint."""
+    sys.path.insert(0, str(REPO / "tests" / "fixtures"))
+    import fake_vllm
+
+    monkeypatch.setitem(sys.modules, "vllm", fake_vllm)
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    fake_vllm.LLM.instances.clear()
+    run = _train(cli, tmp_path, quick_toy, "stare-o1", "optim.total_steps=3", "method.dynamic_sampling=false",
+                 "rollout.engine=vllm", "checkpoint.every=1", "checkpoint.keep_last=3")
+    (llm,) = fake_vllm.LLM.instances
+    assert llm.in_process and llm.kwargs["max_model_len"] == 32 + 40
+    # rollouts of steps 1-3, then the final evaluation; new weights before steps 2, 3 and the evaluation
+    assert len(llm.generate_digests) == 4 and llm.loads == 3 and llm.resets == 3
+    from transformers import AutoModelForCausalLM
+
+    def digest(path):  # loaded as a model, so tied weights appear as in the trainer's state_dict
+        return fake_vllm.weights_digest(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict())
+
+    assert llm.generate_digests[0] == digest(quick_toy)
+    for k in (1, 2, 3):
+        assert llm.generate_digests[k] == digest(run / "checkpoints" / f"step-{k:06d}")
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)

@@ -159,9 +159,10 @@ def test_methods_lists_registry(cli):
     ]
 
 
-def test_vllm_rollout_in_the_embedded_trainer_fails_honestly(cli):
-    code, _, err = cli("train", "--recipe", "tiny/arith", "-o", "rollout.engine=vllm")
-    assert code == 1 and "not wired into the embedded trainer yet" in err
+def test_vllm_rollout_without_vllm_says_how_to_get_it(cli, monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
+    code, _, err = cli("train", "--recipe", "tiny/arith", "-o", "rollout.engine=vllm", "-o", "model.path=/nonexistent")
+    assert code == 1 and "vLLM is not installed" in err, err
 
 
 def test_debug_env_shows_traceback():

@@ -1,7 +1,8 @@
 """The embedded backend: one process, PyTorch + transformers, CPU or one CUDA GPU.
 
 `train()` is one flat loop that reads top to bottom; each step:
-  1. draw a generation batch of prompts, roll out n responses each (HF generate; vLLM when asked)
+  1. draw a generation batch of prompts, roll out n responses each (HF generate, or a colocated
+     vLLM engine that gets the current weights before each rollout: `rollout.engine`)
   2. reward with the evaluation grader (math-verify on the final \\boxed{}), method shaping (overlong)
   3. group advantages; dynamic sampling draws more generation batches until the train batch fills
   4. one no-grad forward: old log-probs and token entropies
@@ -17,6 +18,7 @@ temporary directory and renamed; `checkpoints/latest` is a symlink swapped atomi
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import math
 from contextlib import nullcontext
@@ -254,8 +256,16 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume_dir: Optional[Path]
     device = torch.device(dev_name)
     if O.precision == "fp16" and device.type != "cuda":
         raise StareError("optim.precision fp16 needs a CUDA device", hint="-o optim.precision=fp32 (or bf16) on CPU")
-    if R.engine == "vllm":
-        raise StareError("rollout.engine vllm is not wired into the embedded trainer yet", hint="use rollout.engine=hf")
+    use_vllm = R.engine == "vllm" or (R.engine == "auto" and device.type == "cuda" and not R.tools.enable
+                                      and importlib.util.find_spec("vllm") is not None)
+    if use_vllm and R.tools.enable:
+        raise StareError("rollout.engine vllm: tool use runs on the hf engine", hint="-o rollout.engine=hf")
+    if use_vllm:
+        try:  # before loading the model: fail fast
+            import vllm  # noqa: F401
+        except ImportError:
+            raise StareError("vLLM is not installed", hint="pip install 'stare[vllm]' on a GPU machine, "
+                             "or -o rollout.engine=hf") from None
 
     # ---- run directory, model, optimizer
     run_dir = Path(resume_dir) if resume_dir else new_run_dir(cfg, out_root)
@@ -300,7 +310,23 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume_dir: Optional[Path]
 
     rows = load_prompts(cfg)
     use_chat = cfg.model.chat_template == "auto"
-    engine = HFEngine(model, tok, batch_size=max(1, R.gen_batch_size * R.n), max_prompt_tokens=R.max_prompt_tokens)
+    if use_vllm:  # colocated: vLLM keeps its own copy of the weights, refreshed before each use
+        from benchmarks.engines import VLLMEngine
+
+        engine = VLLMEngine(model_path, gpu_memory_utilization=R.vllm_gpu_memory_utilization,
+                            dtype={"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}[cfg.model.dtype.value],
+                            max_model_len=R.max_prompt_tokens + R.max_response_tokens,
+                            trust_remote_code=cfg.model.trust_remote_code, max_prompt_tokens=R.max_prompt_tokens,
+                            colocate=True, seed=O.seed)
+    else:
+        engine = HFEngine(model, tok, batch_size=max(1, R.gen_batch_size * R.n), max_prompt_tokens=R.max_prompt_tokens)
+    weights = {"version": 0, "synced": 0 if not resuming else -1}  # optimizer steps taken / pushed to vLLM
+
+    def sync_rollout_weights() -> None:
+        if use_vllm and weights["synced"] != weights["version"]:
+            with torch.no_grad():
+                engine.load_weights((k, v.detach()) for k, v in model.state_dict().items())
+            weights["synced"] = weights["version"]
     grader = Grader(workers=0, boxed_only=True)  # rewards: the final \boxed{} answer only
     tools = _tool_spec(cfg)
     eval_grader = Grader(workers=0)  # evaluation: with the fallbacks users expect (stare eval's grader)
@@ -333,6 +359,7 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume_dir: Optional[Path]
                 sp = SamplingParams(n=R.n, temperature=R.temperature, top_p=R.top_p, top_k=R.top_k,
                                     max_new_tokens=R.max_response_tokens,
                                     seed=O.seed * 1_000_003 + step * 101 + n_gen_batches)
+                sync_rollout_weights()
                 groups = engine.generate(prompts, sp, tools)
                 t_gen += time.perf_counter() - t0
                 t0 = time.perf_counter()
@@ -481,6 +508,7 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume_dir: Optional[Path]
                         scaler.update()
                     else:
                         opt.step()
+                    weights["version"] += 1
             metrics["lr"] = sched.get_last_lr()[0]
             sched.step()
             metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
@@ -496,6 +524,7 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume_dir: Optional[Path]
                         f.write(json.dumps({"group": g, "reward": r, "correct": c, "finished": s.finished,
                                             "response": s.text}) + "\n")
             if cfg.eval.benchmarks and ((cfg.eval.every and step % cfg.eval.every == 0) or step == O.total_steps):
+                sync_rollout_weights()
                 metrics.update(_evaluate(engine, eval_grader, cfg.eval.benchmarks, cfg, tok, use_chat, step, run_dir))
             _finish_step(run_dir, step, metrics, t_step, t_gen, t_score, t_train, log, wb)
             if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == O.total_steps:
@@ -545,7 +574,7 @@ def _evaluate(engine, eval_grader, benches: list[str], cfg: Recipe, tok, use_cha
         s = EvalSettings(model=f"{run_dir}@step-{step}", bench=bench, template=cfg.data.template.value,
                          n=cfg.eval.n or spec.n, temperature=cfg.eval.temperature, top_p=cfg.eval.top_p,
                          max_tokens=cfg.eval.max_tokens or cfg.rollout.max_response_tokens, seed=cfg.optim.seed,
-                         engine="hf", limit=cfg.eval.limit)
+                         engine=engine.name, limit=cfg.eval.limit)
         res = evaluate_benchmark(engine, tok, s, run_dir / "eval" / f"step-{step:06d}" / bench.replace(":", "-"),
                                  eval_grader, use_chat_template=use_chat)
         m = res["metrics"]
