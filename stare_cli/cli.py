@@ -135,9 +135,8 @@ def train(
     if cfg.backend.name == "verl":
         from stare_cli.backends import verl_backend
 
-        if resume is not None:
-            raise StareError("--resume applies to embedded runs", hint="verl resumes itself (trainer.resume_mode=auto)")
-        run_dir = verl_backend.run(cfg, out, dry_run=dry_run, emit_script=emit_script, data_dir=data_dir)
+        run_dir = verl_backend.run(cfg, out, dry_run=dry_run, emit_script=emit_script, data_dir=data_dir,
+                                   resume_dir=resume)
         if run_dir is not None:
             typer.echo(str(run_dir))
         return

@@ -80,4 +80,19 @@ def test_compare_reads_the_verl_run(verl_run, cli):
     header, row = out.strip().splitlines()[:2]
     cells = dict(zip(header.split(","), row.split(",")))
     assert cells["Method"] == "STARE-O1 *"  # flagged: evaluated on a subset (eval.limit=8)
-    assert float(cells["Toy arith"]) == pytest.approx(100 * last, abs=0.05)  # avg@2 in percent, 1 decimal
+    assert cells["Toy arith"] == f"{100 * last:.1f}"  # avg@2 in percent, as compare prints it
+
+
+def test_verl_run_resumes_from_its_checkpoint(verl_run):
+    """Runs last in this module: it extends the shared run by one step."""
+    from stare_cli.cli import main
+
+    assert main(["train", "--resume", str(verl_run), "-o", "optim.total_steps=3"]) == 0
+    rows = [json.loads(line) for line in (verl_run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "actor/pg_loss" in r] == [1, 2, 3]
+    # the controller continued from global_step_2's state: 3 steps seen, gate on in all of them
+    state = json.loads((verl_run / "checkpoints" / "global_step_3" / "stare_controller.json").read_text())
+    assert state["steps"] == state["steps_on"] == 3
+    assert json.loads((verl_run / "meta.json").read_text())["resumed_at_step"] == 2
+    log = (verl_run / "verl.log").read_text()
+    assert "global_step_2" in log and "step:3" in log

@@ -260,9 +260,24 @@ def prepare_data(cfg: Recipe, out_dir: Path, limit: Optional[int] = None) -> lis
     return written
 
 
+def resume_point(run_dir: Path) -> tuple[int, Optional[Path]]:
+    """(last checkpointed step, the data folder the run used) of a verl run directory."""
+    from stare_cli.errors import StareError
+
+    tracker = run_dir / "checkpoints" / "latest_checkpointed_iteration.txt"
+    if not tracker.exists():
+        raise StareError(f"--resume: '{run_dir}' has no verl checkpoint yet",
+                         hint="start a new run (checkpoint.every sets how often verl saves)")
+    meta = json.loads((run_dir / "meta.json").read_text())
+    train = next((o.split("=", 1)[1] for o in meta.get("overrides", []) if o.startswith("data.train_files=")), None)
+    return int(tracker.read_text().strip()), Path(train).parent if train else None
+
+
 def run(cfg: Recipe, out_root: Path, dry_run: bool = False, emit_script: Optional[Path] = None,
-        data_dir: Optional[Path] = None) -> Optional[Path]:
-    """Dry-run (print overrides), write a Ray job script, or launch verl locally."""
+        data_dir: Optional[Path] = None, resume_dir: Optional[Path] = None) -> Optional[Path]:
+    """Dry-run (print overrides), write a Ray job script, or launch verl locally. With `resume_dir`,
+    verl continues that run from its latest checkpoint (its own resume_mode=auto; our controller
+    state comes back with it) and metrics rows after that checkpoint are dropped, to be redone."""
     import os
     import subprocess
     import sys
@@ -279,7 +294,17 @@ def run(cfg: Recipe, out_root: Path, dry_run: bool = False, emit_script: Optiona
 
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(
             update={"path": resolve_model_path(cfg.model.path, cfg.backend.embedded.threads)})})
-    run_dir = new_run_dir(cfg, out_root)
+    resumed_at = None
+    if resume_dir is not None:
+        from stare_cli.runs import atomic_write_text, read_jsonl
+
+        run_dir = Path(resume_dir)
+        resumed_at, used_data = resume_point(run_dir)
+        data_dir = data_dir or used_data
+        rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("step", 0) <= resumed_at]
+        atomic_write_text(run_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    else:
+        run_dir = new_run_dir(cfg, out_root)
     overrides = verl_overrides(cfg, run_dir=run_dir, data_dir=data_dir)
     if cfg.rollout.tools.enable:
         import yaml
@@ -288,7 +313,7 @@ def run(cfg: Recipe, out_root: Path, dry_run: bool = False, emit_script: Optiona
 
         t = cfg.rollout.tools
         (run_dir / "tools.yaml").write_text(yaml.safe_dump(tool_config(t.cpu_s, t.wall_s, t.memory_mb, t.output_bytes)))
-    write_run_meta(run_dir, cfg, {"backend": "verl", "overrides": overrides})
+    write_run_meta(run_dir, cfg, {"backend": "verl", "overrides": overrides, "resumed_at_step": resumed_at})
     if emit_script:
         emit_script.write_text(ray_job_script(cfg, overrides, run_dir))
         emit_script.chmod(0o755)
@@ -304,7 +329,7 @@ def run(cfg: Recipe, out_root: Path, dry_run: bool = False, emit_script: Optiona
     env = {**os.environ, **environment(cfg, run_dir)}
     # verl's output (its console logger included) goes to stderr and to verl.log in the run directory;
     # stdout carries only the run directory, as with the embedded backend.
-    with open(run_dir / "verl.log", "w") as log:
+    with open(run_dir / "verl.log", "a" if resumed_at is not None else "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "verl.trainer.main_ppo", *overrides], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
         try:
