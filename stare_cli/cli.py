@@ -393,12 +393,11 @@ class ToyTask(str, Enum):
 def toy_init(
     task: Annotated[ToyTask, typer.Option(help="Which toy.")] = ToyTask.arith,
     force: Annotated[bool, typer.Option(help="Rebuild even if cached.")] = False,
-    threads: Annotated[int, typer.Option(min=1, help="torch threads.")] = 1,
 ) -> None:
     """Build the toy tokenizer and model and run its supervised warm-up (cached)."""
     from stare_cli.toy import ensure_toy_model
 
-    typer.echo(str(ensure_toy_model(task.value, force=force, threads=threads)))
+    typer.echo(str(ensure_toy_model(task.value, force=force)))
 
 
 @app.command(rich_help_panel="Training")

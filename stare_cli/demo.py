@@ -66,7 +66,7 @@ def run_demo(out: Path, steps: Optional[int] = None, seed: int = 1, methods=DEMO
         base.append(f"optim.total_steps={steps}")
     cfg = load_recipe(DEMO_RECIPE, methods[0], base)
     t_start = time.time()
-    ensure_toy_model("arith", threads=1)  # once, before the parallel runs share it
+    ensure_toy_model("arith")  # once, before the parallel runs share it
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
     procs = {}

@@ -106,7 +106,7 @@ def main() -> None:
         raise SystemExit(f"{args.trl_python} not found: run with --setup first")
     from stare_cli.toy import ensure_toy_model
 
-    model_dir = str(ensure_toy_model("arith", threads=1))
+    model_dir = str(ensure_toy_model("arith"))
     res = {"ours": [], "trl": []}
     for r in range(args.rounds):  # alternate: drift on a shared machine hits both alike
         res["ours"] += ours(model_dir, args.steps, args.out / f"ours{r}")[1:]  # first step warms up

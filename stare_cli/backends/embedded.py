@@ -101,11 +101,11 @@ def take_prompts(rows: list[dict], cursor: int, k: int, seed: int, shuffle: bool
     return out, cursor + k
 
 
-def resolve_model_path(path: str, threads: int) -> str:
+def resolve_model_path(path: str) -> str:
     if path.startswith("toy:"):
         from stare_cli.toy import ensure_toy_model
 
-        return str(ensure_toy_model(path.split(":", 1)[1], threads=threads))
+        return str(ensure_toy_model(path.split(":", 1)[1]))
     return path
 
 
@@ -271,7 +271,7 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume_dir: Optional[Path]
     run_dir = Path(resume_dir) if resume_dir else new_run_dir(cfg, out_root)
     latest = run_dir / "checkpoints" / "latest"
     resuming = resume_dir is not None and latest.exists()
-    model_path = str(latest.resolve()) if resuming else resolve_model_path(cfg.model.path, cfg.backend.embedded.threads)
+    model_path = str(latest.resolve()) if resuming else resolve_model_path(cfg.model.path)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.model.dtype.value]
     tok = load_tokenizer(model_path, trust_remote_code=cfg.model.trust_remote_code)
     if tok.pad_token_id is None:

@@ -293,7 +293,7 @@ def run(cfg: Recipe, out_root: Path, dry_run: bool = False, emit_script: Optiona
         from stare_cli.backends.embedded import resolve_model_path
 
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(
-            update={"path": resolve_model_path(cfg.model.path, cfg.backend.embedded.threads)})})
+            update={"path": resolve_model_path(cfg.model.path)})})
     resumed_at = None
     if resume_dir is not None:
         from stare_cli.runs import atomic_write_text, read_jsonl
