@@ -57,7 +57,10 @@ def test_every_method_trains_on_the_toy(cli, tmp_path, quick_toy, method):
 
 
 def test_run_directory_is_complete(cli, tmp_path, quick_toy):
-    run = _train(cli, tmp_path, quick_toy, "stare-o1", "optim.total_steps=2", "eval.every=2")
+    # dynamic sampling off: a step whose groups all score alike would otherwise be skipped, and the
+    # last row would lack the training metrics checked below
+    run = _train(cli, tmp_path, quick_toy, "stare-o1", "optim.total_steps=2", "eval.every=2",
+                 "method.dynamic_sampling=false")
     assert run.name.startswith("tiny-arith__stare-o1__seed1__")
     meta = json.loads((run / "meta.json").read_text())
     assert "git_sha" in meta and "torch" in meta["packages"]
@@ -199,3 +202,17 @@ def test_vllm_rollout_gets_the_trained_weights_before_every_step(cli, tmp_path, 
         assert llm.generate_digests[k] == digest(run / "checkpoints" / f"step-{k:06d}")
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3] and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
+
+
+def test_skipped_steps_still_checkpoint_evaluate_and_resume(cli, tmp_path, quick_toy):
+    """One-token responses never finish, so every group scores 0 and dynamic sampling drops them
+    all: each step is skipped, yet the last one still evaluates and writes its checkpoint."""
+    run = _train(cli, tmp_path, quick_toy, "grpo-ds", "optim.total_steps=2", "rollout.max_response_tokens=1",
+                 "method.overlong.enable=false")
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r.get("skipped")) for r in rows] == [(1, 1), (2, 1)]
+    assert "eval/toy:arith/acc" in rows[-1]
+    assert json.loads((run / "checkpoints" / "latest" / "state.json").read_text())["step"] == 2
+    code, out, err = cli("train", "--resume", str(run), "-o", "optim.total_steps=3")
+    assert code == 0, err
+    assert [r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())] == [1, 2, 3]

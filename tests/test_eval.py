@@ -262,3 +262,44 @@ def test_hf_engine_stops_at_every_eos_the_model_declares(tiny_model):
     assert set(firsts) <= set(eng.eos_ids()) and tok.eos_token_id in eng.eos_ids()
     again = eng.generate(["Compute 1+2-3.\n"], SamplingParams(n=4, max_new_tokens=20, seed=0))[0]
     assert all(len(s.response_ids) == 1 and s.finished for s in again)
+
+
+def test_pruning_decode_loop_matches_transformers_generate_greedily(quick_toy):
+    """top_k = 1 makes sampling greedy: our loop (rows leave the batch at EOS) and transformers'
+    generate must then produce the same tokens, for prompts of different lengths (left padding)."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from benchmarks.engines import SamplingParams, load_tokenizer, sample_decode
+
+    tok = load_tokenizer(str(quick_toy))
+    model = AutoModelForCausalLM.from_pretrained(quick_toy, dtype=torch.float32).eval()
+    prompts = ["Compute 1+2-3.\n", "Compute 13+14-26.\n", "Compute 9+9-9.\n", "Compute 20+7-11.\n"]
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    L = max(map(len, ids))
+    inp = torch.tensor([[0] * (L - len(x)) + x for x in ids])
+    attn = (torch.arange(L)[None] >= torch.tensor([L - len(x) for x in ids])[:, None]).long()
+    with torch.no_grad():
+        ours = sample_decode(model, inp, attn, SamplingParams(top_k=1, max_new_tokens=40), [tok.eos_token_id])
+        ref = model.generate(input_ids=inp, attention_mask=attn, generation_config=GenerationConfig(
+            do_sample=False, max_new_tokens=40, eos_token_id=[tok.eos_token_id], pad_token_id=0))[:, L:].tolist()
+    for o, r in zip(ours, ref):
+        stop = r.index(tok.eos_token_id) + 1 if tok.eos_token_id in r else len(r)
+        assert o == r[:stop]
+    assert any(o[-1] == tok.eos_token_id for o in ours) and len({len(o) for o in ours}) > 1  # rows left at different steps
+
+
+def test_sampling_filters_follow_transformers_order():
+    import torch
+
+    from benchmarks.engines import _filter_logits
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    # top-k 2 keeps the two largest
+    assert torch.isinf(_filter_logits(logits, 1.0, 2, 1.0)[0, 2:]).all()
+    # top-p 0.7: 0.5 + 0.3 reach 0.7, the tail (0.15 + 0.05 = 0.2 <= 0.3) goes
+    kept = torch.isfinite(_filter_logits(logits, 1.0, -1, 0.7)[0]).tolist()
+    assert kept == [True, True, False, False]
+    # temperature 0.5 squares the probabilities before renormalising: 0.25/0.09/... proportions
+    p = _filter_logits(logits, 0.5, -1, 1.0).softmax(-1)[0]
+    assert p[0] / p[1] == pytest.approx((0.5 / 0.3) ** 2)

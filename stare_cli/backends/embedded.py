@@ -118,8 +118,10 @@ def token_logprobs_entropy(model, input_ids, attention_mask, resp_start: int, te
     """
     import torch
 
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
-    logits = logits[:, resp_start - 1 : -1].float() / temperature
+    # Only the positions that predict response tokens: no [B, P, vocab] logits for the prompt.
+    keep = input_ids.shape[1] - resp_start + 1
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=keep).logits
+    logits = logits[:, -keep:-1].float() / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
     targets = input_ids[:, resp_start:]
     logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
@@ -407,115 +409,115 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume_dir: Optional[Path]
                 metrics.update({"tools/calls_per_response": sum(all_calls) / len(all_calls),
                                 "tools/error_rate": sum(all_errors) / max(sum(all_calls), 1),
                                 "tools/turns": sum(all_turns) / len(all_turns)})
-            if not kept:  # every group was all-equal: nothing to learn from this step
+            if not kept:  # every group was all-equal: nothing to learn; samples/eval/checkpoint still run
                 metrics.update({"lr": sched.get_last_lr()[0], "skipped": 1})
+                samples, t_train = [], 0.0
                 step += 1
                 sched.step()
-                _finish_step(run_dir, step, metrics, t_step, t_gen, t_score, 0.0, log, wb)
-                continue
-            samples = [x[0] for x in kept]
-            rewards = torch.tensor([x[1] for x in kept])
-            gids = torch.tensor([x[3] for x in kept])
-            if spec.advantage == "w_reinforce":
-                adv_seq = w_reinforce_advantage(rewards, mcfg.w_reinforce_lambda)
             else:
-                adv_seq = grpo_advantage(rewards, gids, eps=mcfg.adv_eps, norm_by_std=mcfg.adv_estimator == "grpo")
-            batch = pack(samples, tok.pad_token_id, device)
-            mask = batch["response_mask"]
-            if R.truncated == "mask":
-                fin = torch.tensor([float(s.finished) for s in samples], device=device)
-                mask = mask * fin[:, None]
-            adv = adv_seq.to(device)[:, None] * mask
+                samples = [x[0] for x in kept]
+                rewards = torch.tensor([x[1] for x in kept])
+                gids = torch.tensor([x[3] for x in kept])
+                if spec.advantage == "w_reinforce":
+                    adv_seq = w_reinforce_advantage(rewards, mcfg.w_reinforce_lambda)
+                else:
+                    adv_seq = grpo_advantage(rewards, gids, eps=mcfg.adv_eps, norm_by_std=mcfg.adv_estimator == "grpo")
+                batch = pack(samples, tok.pad_token_id, device)
+                mask = batch["response_mask"]
+                if R.truncated == "mask":
+                    fin = torch.tensor([float(s.finished) for s in samples], device=device)
+                    mask = mask * fin[:, None]
+                adv = adv_seq.to(device)[:, None] * mask
 
-            # ---- 4. old log-probs and entropies, one no-grad forward (in micro-batches). On-policy
-            # with a single micro-batch the training forward itself gives them (detached): one
-            # forward instead of two, the same numbers.
-            t_train0 = time.perf_counter()
-            resp_per_mini = O.mini_batch_size * R.n
-            fused = O.ppo_epochs == 1 and len(samples) <= min(resp_per_mini, O.micro_batch_size)
-            if fused:
-                with autocast():
-                    lp_cur, en_cur = token_logprobs_entropy(model, batch["input_ids"], batch["attention_mask"],
-                                                            batch["resp_start"], R.temperature)
-                old_logp, entropy = lp_cur.detach().float(), en_cur.detach().float()
-            else:
-                model.eval()
-                with torch.no_grad():
-                    olds, ents = [], []
-                    for i in range(0, len(samples), O.micro_batch_size):
-                        sl = slice(i, i + O.micro_batch_size)
-                        with autocast():
-                            lp, en = token_logprobs_entropy(model, batch["input_ids"][sl], batch["attention_mask"][sl],
-                                                            batch["resp_start"], R.temperature)
-                        olds.append(lp.float())
-                        ents.append(en.float())
-                    old_logp, entropy = torch.cat(olds), torch.cat(ents)
-                model.train()
-            H = float((entropy * mask).sum() / mask.sum().clamp(min=1))
-            metrics["entropy"] = H
-
-            # ---- 5. STARE: gate from this batch's entropy, then token weights (batch scope)
-            loss_mask = mask
-            if spec.stare:
-                controller.update(H)
-                if mcfg.stare.scope == "batch":
-                    w = controller.weights(adv, old_logp, mask)
-                    adv = adv * w
-                    metrics["stare/sel_pos"] = float(((w > 1) & (mask > 0)).sum() / mask.sum().clamp(min=1))
-                    metrics["stare/sel_neg"] = float(((w < 1) & (mask > 0)).sum() / mask.sum().clamp(min=1))
-                metrics.update({"stare/gate": float(controller.gate), "stare/W": controller.W, "stare/M": controller.M})
-            if spec.top_entropy:
-                loss_mask = mask * top_entropy_mask(entropy, mask, mcfg.top_entropy_frac)
-            metrics.update({k: float(v) for k, v in quadrant_stats(adv, old_logp, entropy, mask).items()})
-
-            # ---- 6. PPO updates: mini-batches of prompts, micro-batches of responses
-            need_ent = spec.entro_adv or mcfg.entropy_coef > 0
-            gen = torch.Generator().manual_seed(O.seed * 7919 + step)
-            stats_acc: dict[str, list[float]] = {}
-            grad_norms = []
-            order = list(range(len(samples)))
-            for _epoch in range(O.ppo_epochs):
-                for m0 in range(0, len(order), resp_per_mini):
-                    mini = order[m0 : m0 + resp_per_mini]
-                    n_tok = float(mask[mini].sum())
-                    n_seq = float((mask[mini].sum(-1) > 0).sum())
-                    agg = Agg(mcfg.loss_agg, num_tokens=max(n_tok, 1.0), num_seqs=max(n_seq, 1.0), scale=R.max_response_tokens)
-                    opt.zero_grad(set_to_none=True)
-                    for u0 in range(0, len(mini), O.micro_batch_size):
-                        idx = mini[u0 : u0 + O.micro_batch_size]
-                        if fused:
-                            lp, en = lp_cur, en_cur
-                        else:
+                # ---- 4. old log-probs and entropies, one no-grad forward (in micro-batches). On-policy
+                # with a single micro-batch the training forward itself gives them (detached): one
+                # forward instead of two, the same numbers.
+                t_train0 = time.perf_counter()
+                resp_per_mini = O.mini_batch_size * R.n
+                fused = O.ppo_epochs == 1 and len(samples) <= min(resp_per_mini, O.micro_batch_size)
+                if fused:
+                    with autocast():
+                        lp_cur, en_cur = token_logprobs_entropy(model, batch["input_ids"], batch["attention_mask"],
+                                                                batch["resp_start"], R.temperature)
+                    old_logp, entropy = lp_cur.detach().float(), en_cur.detach().float()
+                else:
+                    model.eval()
+                    with torch.no_grad():
+                        olds, ents = [], []
+                        for i in range(0, len(samples), O.micro_batch_size):
+                            sl = slice(i, i + O.micro_batch_size)
                             with autocast():
-                                lp, en = token_logprobs_entropy(model, batch["input_ids"][idx], batch["attention_mask"][idx],
-                                                                batch["resp_start"], R.temperature, need_entropy=need_ent)
-                        a_mb = adv[idx]
-                        if spec.stare and mcfg.stare.scope == "micro_batch":
-                            a_mb = a_mb * controller.weights(a_mb, old_logp[idx], mask[idx])
-                        loss, st = policy_loss(spec, mcfg, log_prob=lp.float(), old_log_prob=old_logp[idx], adv=a_mb,
-                                               mask=loss_mask[idx], entropy=None if en is None else en.float(), agg=agg,
-                                               generator=gen)
-                        (scaler.scale(loss) if scaler else loss).backward()
-                        for k, v in st.items():
-                            stats_acc.setdefault(k, []).append(float(v.detach()))
-                        stats_acc.setdefault("loss", []).append(float(loss.detach()))
-                    if scaler:
-                        scaler.unscale_(opt)
-                    gn = torch.nn.utils.clip_grad_norm_(model.parameters(), O.grad_clip)
-                    grad_norms.append(float(gn))
-                    if scaler:
-                        scaler.step(opt)
-                        scaler.update()
-                    else:
-                        opt.step()
-                    weights["version"] += 1
-            metrics["lr"] = sched.get_last_lr()[0]
-            sched.step()
-            metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
-            for k, v in stats_acc.items():
-                metrics[k if k == "loss" else f"actor/{k}"] = sum(v) / len(v)
-            t_train = time.perf_counter() - t_train0
-            step += 1
+                                lp, en = token_logprobs_entropy(model, batch["input_ids"][sl], batch["attention_mask"][sl],
+                                                                batch["resp_start"], R.temperature)
+                            olds.append(lp.float())
+                            ents.append(en.float())
+                        old_logp, entropy = torch.cat(olds), torch.cat(ents)
+                    model.train()
+                H = float((entropy * mask).sum() / mask.sum().clamp(min=1))
+                metrics["entropy"] = H
+
+                # ---- 5. STARE: gate from this batch's entropy, then token weights (batch scope)
+                loss_mask = mask
+                if spec.stare:
+                    controller.update(H)
+                    if mcfg.stare.scope == "batch":
+                        w = controller.weights(adv, old_logp, mask)
+                        adv = adv * w
+                        metrics["stare/sel_pos"] = float(((w > 1) & (mask > 0)).sum() / mask.sum().clamp(min=1))
+                        metrics["stare/sel_neg"] = float(((w < 1) & (mask > 0)).sum() / mask.sum().clamp(min=1))
+                    metrics.update({"stare/gate": float(controller.gate), "stare/W": controller.W, "stare/M": controller.M})
+                if spec.top_entropy:
+                    loss_mask = mask * top_entropy_mask(entropy, mask, mcfg.top_entropy_frac)
+                metrics.update({k: float(v) for k, v in quadrant_stats(adv, old_logp, entropy, mask).items()})
+
+                # ---- 6. PPO updates: mini-batches of prompts, micro-batches of responses
+                need_ent = spec.entro_adv or mcfg.entropy_coef > 0
+                gen = torch.Generator().manual_seed(O.seed * 7919 + step)
+                stats_acc: dict[str, list[float]] = {}
+                grad_norms = []
+                order = list(range(len(samples)))
+                for _epoch in range(O.ppo_epochs):
+                    for m0 in range(0, len(order), resp_per_mini):
+                        mini = order[m0 : m0 + resp_per_mini]
+                        n_tok = float(mask[mini].sum())
+                        n_seq = float((mask[mini].sum(-1) > 0).sum())
+                        agg = Agg(mcfg.loss_agg, num_tokens=max(n_tok, 1.0), num_seqs=max(n_seq, 1.0), scale=R.max_response_tokens)
+                        opt.zero_grad(set_to_none=True)
+                        for u0 in range(0, len(mini), O.micro_batch_size):
+                            idx = mini[u0 : u0 + O.micro_batch_size]
+                            if fused:
+                                lp, en = lp_cur, en_cur
+                            else:
+                                with autocast():
+                                    lp, en = token_logprobs_entropy(model, batch["input_ids"][idx], batch["attention_mask"][idx],
+                                                                    batch["resp_start"], R.temperature, need_entropy=need_ent)
+                            a_mb = adv[idx]
+                            if spec.stare and mcfg.stare.scope == "micro_batch":
+                                a_mb = a_mb * controller.weights(a_mb, old_logp[idx], mask[idx])
+                            loss, st = policy_loss(spec, mcfg, log_prob=lp.float(), old_log_prob=old_logp[idx], adv=a_mb,
+                                                   mask=loss_mask[idx], entropy=None if en is None else en.float(), agg=agg,
+                                                   generator=gen)
+                            (scaler.scale(loss) if scaler else loss).backward()
+                            for k, v in st.items():
+                                stats_acc.setdefault(k, []).append(float(v.detach()))
+                            stats_acc.setdefault("loss", []).append(float(loss.detach()))
+                        if scaler:
+                            scaler.unscale_(opt)
+                        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), O.grad_clip)
+                        grad_norms.append(float(gn))
+                        if scaler:
+                            scaler.step(opt)
+                            scaler.update()
+                        else:
+                            opt.step()
+                        weights["version"] += 1
+                metrics["lr"] = sched.get_last_lr()[0]
+                sched.step()
+                metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
+                for k, v in stats_acc.items():
+                    metrics[k if k == "loss" else f"actor/{k}"] = sum(v) / len(v)
+                t_train = time.perf_counter() - t_train0
+                step += 1
 
             # ---- 7. samples, metrics, evaluation, checkpoint
             if cfg.logging.samples_every and step % cfg.logging.samples_every == 0:
