@@ -291,28 +291,6 @@ class HFServer:
                     if not b[3].done():
                         b[3].set_exception(e)
 
-    # verl's server control calls: nothing to free or resume on CPU
-    async def wake_up(self, *a, **k):
-        pass
-
-    async def sleep(self, *a, **k):
-        pass
-
-    async def clear_kv_cache(self, *a, **k):
-        pass
-
-    async def release_kv_cache(self, *a, **k):
-        pass
-
-    async def resume_kv_cache(self, *a, **k):
-        pass
-
-    async def start_profile(self, *a, **k):
-        pass
-
-    async def stop_profile(self, *a, **k):
-        pass
-
     async def set_global_steps(self, global_steps: int):
         self.global_steps = global_steps
 
@@ -323,8 +301,15 @@ class HFServer:
     async def abort_all_requests(self, *a, **k) -> dict:
         return {"aborted": 0}
 
-    async def resume_generation(self, *a, **k):
-        pass
+
+async def _nothing_to_do(self, *args, **kwargs) -> None:
+    return None
+
+
+# verl's server control calls that have nothing to free or resume on CPU
+for _name in ("wake_up", "sleep", "clear_kv_cache", "release_kv_cache", "resume_kv_cache", "start_profile",
+              "stop_profile", "resume_generation"):
+    setattr(HFServer, _name, _nothing_to_do)
 
 
 def server_name(replica_rank: int) -> str:
