@@ -197,9 +197,8 @@ if os.environ.get("VERL_PLATFORM") == "stare_cpu":  # the CPU platform must exis
     verl_cpu.install()
 
 _payload = os.environ.get("STARE_VERL_METHOD")
-if _payload:
-    _plain_tokenizer_support()
 if _payload:  # only in runs we launched; importing this module elsewhere changes nothing
+    _plain_tokenizer_support()
     try:
         install(json.loads(_payload), Path(os.environ["STARE_RUN_DIR"]) if os.environ.get("STARE_RUN_DIR") else None)
     except ImportError:  # a process without verl's trainer (e.g. a rollout worker): nothing to patch
