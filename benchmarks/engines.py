@@ -289,11 +289,7 @@ class VLLMEngine:
         self.tok = load_tokenizer(model_path, trust_remote_code=trust_remote_code)
         self.max_prompt_tokens = max_prompt_tokens
 
-    def encode(self, prompts: Sequence[str]) -> list[list[int]]:
-        ids = [self.tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
-        if self.max_prompt_tokens:
-            ids = [x[-self.max_prompt_tokens :] for x in ids]
-        return ids
+    encode = HFEngine.encode  # the same tokens as the HF engine
 
     def eos_ids(self) -> list[int]:
         ids = [self.tok.eos_token_id] if self.tok.eos_token_id is not None else []
