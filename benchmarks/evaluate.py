@@ -206,7 +206,7 @@ def _auto_engine() -> str:
 
 def _make_engine(name: str, path: str, base_url: Optional[str], device: str, batch_size: int, dtype: str,
                  vllm_kwargs: dict):
-    from benchmarks.engines import HFEngine, OpenAIEngine, VLLMEngine, load_tokenizer
+    from benchmarks.engines import HFEngine, OpenAIEngine, VLLMEngine, load_tokenizer, use_gqa_sdpa_on_cpu
     from stare_cli.errors import StareError
 
     if name == "openai":
@@ -233,4 +233,5 @@ def _make_engine(name: str, path: str, base_url: Optional[str], device: str, bat
                          hint="pass a local model directory or a run directory") from None
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
+    use_gqa_sdpa_on_cpu(m)
     return HFEngine(m, tok, batch_size=batch_size), tok

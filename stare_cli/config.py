@@ -222,6 +222,9 @@ class EvalConfig(_Strict):
 class EmbeddedBackend(_Strict):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when available.")
     threads: int = Field(1, ge=1, description="torch threads; one is steadiest on a busy 2-core machine.")
+    length_buckets: bool = Field(
+        True, description="Run each training forward in length-sorted buckets, each padded only to its own "
+        "longest row (the same numbers with less padding; false: one forward per micro-batch).")
 
 
 class VerlBackend(_Strict):

@@ -1,0 +1,112 @@
+"""The training forward: right-aligned packing, length-sorted buckets and the GQA attention switch
+give the numbers of a plain per-row forward."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from benchmarks.engines import GQA_SDPA, Sample, use_gqa_sdpa_on_cpu
+from stare_cli.backends.embedded import length_buckets, pack, token_logprobs_entropy
+from stare_cli.toy import build_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    m = build_model(40, seed=3)  # Qwen2-style, 4 query heads on 2 KV heads
+    m.eval()
+    return m
+
+
+def _samples(n: int, seed: int) -> list[Sample]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        p = [rng.randrange(2, 40) for _ in range(rng.randint(1, 9))]
+        r = [rng.randrange(2, 40) for _ in range(rng.randint(1, 23))]
+        out.append(Sample(text="", prompt_ids=p, response_ids=r))
+    return out
+
+
+def _reference(model, s: Sample, temperature: float):
+    """One row alone, no padding anywhere: log-probs and entropies of its response tokens."""
+    ids = torch.tensor([s.prompt_ids + s.response_ids])
+    logits = model(input_ids=ids).logits[0, len(s.prompt_ids) - 1 : -1].float() / temperature
+    logp_all = torch.log_softmax(logits, -1)
+    lp = logp_all.gather(-1, torch.tensor(s.response_ids)[:, None]).squeeze(-1)
+    return lp, -(logp_all.exp() * logp_all).sum(-1)
+
+
+def test_length_buckets_hand_computed():
+    # lengths 10, 10, 50, 50. One bucket: 4 rows x 50 + overhead. Two: 2 x 10 + 2 x 50 + 2 x overhead.
+    # overhead 20: 220 vs 160 -> split; overhead 100: 300 vs 320 -> one bucket.
+    assert length_buckets([50, 10, 50, 10], 20) == [[1, 3], [0, 2]]
+    assert length_buckets([50, 10, 50, 10], 100) == [[1, 3, 0, 2]]
+    # Overhead 0: every distinct length its own bucket (ties share one: no padding either way).
+    assert length_buckets([3, 1, 2, 1], 0) == [[1, 3], [2], [0]]
+    assert length_buckets([], 10) == []
+
+
+@pytest.mark.parametrize("buckets", [True, False])
+def test_packed_forward_equals_per_row_forward(model, buckets):
+    samples = _samples(24, seed=1)
+    batch = pack(samples, pad_id=0, device="cpu")
+    T = batch["response_mask"].shape[1]
+    rows = [5, 0, 17, 3, 11, 23, 8]  # a micro-batch in any order
+    with torch.no_grad():
+        lp, ent = token_logprobs_entropy(model, batch, rows, temperature=0.7, buckets=buckets)
+        assert lp.shape == ent.shape == (len(rows), T)
+        for k, r in enumerate(rows):
+            ref_lp, ref_ent = _reference(model, samples[r], 0.7)
+            n = len(samples[r].response_ids)
+            torch.testing.assert_close(lp[k, :n], ref_lp)
+            torch.testing.assert_close(ent[k, :n], ref_ent)
+            assert (lp[k, n:] == 0).all() and (ent[k, n:] == 0).all()  # padding: exactly 0, never NaN
+
+
+def test_buckets_change_neither_values_nor_gradients(model):
+    samples = _samples(32, seed=2)
+    batch = pack(samples, pad_id=0, device="cpu")
+    assert len(length_buckets(batch["seq_len"].tolist())) > 1  # the case under test really splits
+    grads = []
+    for buckets in (True, False):
+        model.zero_grad(set_to_none=True)
+        lp, ent = token_logprobs_entropy(model, batch, range(32), temperature=1.0, buckets=buckets)
+        ((lp - 0.1 * ent) * batch["response_mask"]).sum().backward()
+        grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
+        if buckets:
+            lp_b = lp.detach()
+        else:
+            torch.testing.assert_close(lp.detach(), lp_b)
+    for k in grads[0]:
+        torch.testing.assert_close(grads[0][k], grads[1][k])
+
+
+def test_pack_lays_rows_out_from_position_zero():
+    s = [Sample(text="", prompt_ids=[7, 8], response_ids=[9]), Sample(text="", prompt_ids=[5], response_ids=[6, 4, 3])]
+    b = pack(s, pad_id=0, device="cpu")
+    assert b["input_ids"].tolist() == [[7, 8, 9, 0], [5, 6, 4, 3]]
+    assert b["prompt_len"].tolist() == [2, 1] and b["seq_len"].tolist() == [3, 4]
+    assert b["response_mask"].tolist() == [[1, 0, 0], [1, 1, 1]]
+
+
+def test_gqa_sdpa_switch_keeps_padded_batch_logits():
+    torch.manual_seed(0)
+    ref, fast = build_model(40, seed=4), build_model(40, seed=4)
+    assert use_gqa_sdpa_on_cpu(fast) and fast.config._attn_implementation == GQA_SDPA
+    ids = torch.randint(2, 40, (3, 9))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0  # left padding: transformers builds a mask, where it would copy the KV heads out
+    mask[1, :1] = 0
+    with torch.no_grad():
+        torch.testing.assert_close(fast(input_ids=ids, attention_mask=mask).logits,
+                                   ref(input_ids=ids, attention_mask=mask).logits)
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    mha = Qwen2ForCausalLM(Qwen2Config(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=2, num_key_value_heads=2))
+    assert not use_gqa_sdpa_on_cpu(mha)  # nothing to gain without grouped KV heads
+    assert mha.config._attn_implementation == "sdpa"
