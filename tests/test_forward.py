@@ -110,3 +110,18 @@ def test_gqa_sdpa_switch_keeps_padded_batch_logits():
                                        num_attention_heads=2, num_key_value_heads=2))
     assert not use_gqa_sdpa_on_cpu(mha)  # nothing to gain without grouped KV heads
     assert mha.config._attn_implementation == "sdpa"
+
+
+def test_empty_responses_score_zero(model, monkeypatch):
+    import stare_cli.backends.embedded as E
+
+    monkeypatch.setattr(E, "BUCKET_OVERHEAD_TOKENS", 0)  # every length its own bucket
+    # Two rows with a prompt and no response (same prompt length: their own bucket) beside a normal row.
+    s = [Sample(text="", prompt_ids=[4, 5], response_ids=[]), Sample(text="", prompt_ids=[6, 7], response_ids=[]),
+         Sample(text="", prompt_ids=[2, 3, 4, 5, 6, 7, 8, 9], response_ids=[10, 11, 12])]
+    batch = pack(s, pad_id=0, device="cpu")
+    assert E.length_buckets(batch["seq_len"].tolist()) == [[0, 1], [2]]
+    for buckets in (True, False):
+        lp, ent = token_logprobs_entropy(model, batch, range(3), temperature=1.0, buckets=buckets)
+        assert lp.shape == (3, 3) and (lp[:2] == 0).all() and (ent[:2] == 0).all()
+        torch.testing.assert_close(lp[2], _reference(model, s[2], 1.0)[0].detach())

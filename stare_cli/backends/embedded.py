@@ -172,6 +172,10 @@ def token_logprobs_entropy(model, batch: dict, rows, temperature: float, need_en
         p, L = plen[idx], max(lens[i] for i in g)
         p0 = int(p.min())
         ids = ids_all[idx, :L]
+        if L == p0:  # only empty responses: nothing to score
+            lps.append(ids_all.new_zeros(len(g), T, dtype=torch.float32))
+            ents.append(ids_all.new_zeros(len(g), T, dtype=torch.float32))
+            continue
         # Logits only where they predict response tokens: positions p0-1 .. L-2 predict tokens p0 .. L-1.
         logits = model(input_ids=ids, logits_to_keep=L - p0 + 1).logits[:, :-1].float() / temperature
         logp_all = torch.log_softmax(logits, dim=-1)

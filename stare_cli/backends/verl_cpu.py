@@ -236,6 +236,9 @@ class HFServer:
         torch.manual_seed(seed)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
                                                           trust_remote_code=trust_remote_code).eval()
+        from benchmarks.engines import use_gqa_sdpa_on_cpu
+
+        use_gqa_sdpa_on_cpu(self.model)
         gc = GenerationConfig.from_model_config(self.model.config)
         eos = gc.eos_token_id if gc.eos_token_id is not None else self.model.config.eos_token_id
         self.eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
