@@ -114,29 +114,43 @@ def _filter_logits(logits, temperature: float, top_k: int, top_p: float):
     return logits
 
 
-def sample_decode(model, input_ids, attention_mask, sp: SamplingParams, eos_ids: list[int]) -> Optional[list[list[int]]]:
+def sample_decode(model, input_ids, attention_mask, sp: SamplingParams, eos_ids: list[int],
+                  share_prefill: bool = True) -> Optional[list[list[int]]]:
     """Sample continuations of a left-padded batch with the KV cache, dropping each row from the
     batch (and its cache) once it emits EOS: on the CPU toy 0.35 s instead of transformers'
-    generate's 0.47 s for 128 x 56 tokens, since finished rows stop costing compute. Returns the
+    generate's 0.47 s for 128 x 56 tokens, since finished rows stop costing compute (0.27 s with the
+    shared prefill below and `use_gqa_sdpa_on_cpu`). Returns the
     new tokens per row (through the first EOS), or None when the model's cache is not a plain
-    per-layer key/value cache (then the caller uses `model.generate`)."""
+    per-layer key/value cache (then the caller uses `model.generate`). With `share_prefill`, runs of
+    equal adjacent rows (the n samples of a prompt) are prefilled once and their cache copied."""
     import torch
     from transformers import DynamicCache
 
     B, device = input_ids.shape[0], input_ids.device
     pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    # The n samples of a prompt are adjacent, equal rows: prefill each prompt once, then copy its cache.
+    if share_prefill:
+        _, inverse = torch.unique_consecutive(torch.cat([input_ids, attention_mask.long()], 1), dim=0,
+                                              return_inverse=True)
+    else:
+        inverse = torch.arange(B, device=device)
+    first = torch.zeros(int(inverse[-1]) + 1, dtype=torch.long, device=device).scatter_reduce(
+        0, inverse, torch.arange(B, device=device), "amin", include_self=False)
     cache = DynamicCache()
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, past_key_values=cache,
-                use_cache=True, logits_to_keep=1)
+    out = model(input_ids=input_ids[first], attention_mask=attention_mask[first], position_ids=pos[first],
+                past_key_values=cache, use_cache=True, logits_to_keep=1)
     cache = out.past_key_values
     layers = getattr(cache, "layers", None)
     if not layers or any(type(layer).__name__ != "DynamicLayer" for layer in layers):
         return None
+    if len(first) < B:
+        for layer in layers:
+            layer.keys, layer.values = layer.keys[inverse], layer.values[inverse]
     eos = torch.tensor(eos_ids, device=device)
     rows: list[list[int]] = [[] for _ in range(B)]
     active = torch.arange(B, device=device)
     mask, last = attention_mask.long(), pos[:, -1]
-    logits = out.logits[:, -1]
+    logits = out.logits[:, -1][inverse]
     for _ in range(sp.max_new_tokens):
         nxt = torch.multinomial(_filter_logits(logits, sp.temperature, sp.top_k, sp.top_p).softmax(-1), 1).squeeze(-1)
         for r, t in zip(active.tolist(), nxt.tolist()):

@@ -289,6 +289,32 @@ def test_pruning_decode_loop_matches_transformers_generate_greedily(quick_toy):
     assert any(o[-1] == tok.eos_token_id for o in ours) and len({len(o) for o in ours}) > 1  # rows left at different steps
 
 
+def test_shared_prefill_samples_what_separate_prefills_sample(quick_toy):
+    """The n samples of a prompt are prefilled once and their cache copied: with the same seed the
+    sampled tokens equal those of prefilling every row, also with left padding between the groups."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks.engines import SamplingParams, load_tokenizer, sample_decode
+
+    tok = load_tokenizer(str(quick_toy))
+    model = AutoModelForCausalLM.from_pretrained(quick_toy, dtype=torch.float32).eval()
+    prompts = ["Compute 1+2-3.\n"] * 3 + ["Compute 13+14-26.\n"] * 4 + ["Compute 9+9-9.\n"]
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    L = max(map(len, ids))
+    assert len({len(x) for x in ids}) > 1  # some rows are left-padded
+    inp = torch.tensor([[0] * (L - len(x)) + x for x in ids])
+    attn = (torch.arange(L)[None] >= torch.tensor([L - len(x) for x in ids])[:, None]).long()
+    sp = SamplingParams(temperature=1.0, max_new_tokens=30)
+    runs = []
+    with torch.no_grad():
+        for share in (True, False):
+            torch.manual_seed(5)
+            runs.append(sample_decode(model, inp, attn, sp, [tok.eos_token_id], share_prefill=share))
+    assert runs[0] == runs[1]
+    assert len({tuple(r) for r in runs[0][:3]}) > 1  # the copies of one prompt still sample apart
+
+
 def test_sampling_filters_follow_transformers_order():
     import torch
 

@@ -20,7 +20,7 @@ import torch
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--overheads", default="0,64,256,1024")
+    ap.add_argument("--overheads", default="0,64,128,256,1024")
     args = ap.parse_args()
     torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM
