@@ -108,10 +108,15 @@ def main() -> None:
 
     model_dir = str(ensure_toy_model("arith"))
     res = {"ours": [], "trl": []}
+    median = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
     for r in range(args.rounds):  # alternate: drift on a shared machine hits both alike
-        res["ours"] += ours(model_dir, args.steps, args.out / f"ours{r}")[1:]  # first step warms up
-        res["trl"] += trl(model_dir, args.steps, args.out / f"trl{r}", args.trl_python)[1:]
-    med = {k: sorted(v)[len(v) // 2] for k, v in res.items()}
+        o = ours(model_dir, args.steps, args.out / f"ours{r}")[1:]  # first step warms up
+        t = trl(model_dir, args.steps, args.out / f"trl{r}", args.trl_python)[1:]
+        print(f"round {r + 1}: ours {median(o):.2f} s, TRL {median(t):.2f} s per step -> {median(t) / median(o):.2f}x",
+              flush=True)
+        res["ours"] += o
+        res["trl"] += t
+    med = {k: median(v) for k, v in res.items()}
     for k, v in med.items():
         print(f"{k:5s} median step {v:.2f} s  -> {PROMPTS * N / v:.1f} samples/s  ({len(res[k])} steps)")
     print(f"throughput ratio ours / TRL = {med['trl'] / med['ours']:.2f}x (goal >= 1.5)")
