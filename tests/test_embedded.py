@@ -216,3 +216,19 @@ def test_skipped_steps_still_checkpoint_evaluate_and_resume(cli, tmp_path, quick
     code, out, err = cli("train", "--resume", str(run), "-o", "optim.total_steps=3")
     assert code == 0, err
     assert [r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("batching", [["optim.mini_batch_size=4", "optim.micro_batch_size=32"], []],
+                         ids=["fused", "micro-batches"])
+def test_length_buckets_leave_the_training_step_unchanged(cli, tmp_path, quick_toy, batching):
+    # Step 1 rolls out from the same weights either way, so every number of it must agree: the
+    # bucketed forwards compute the same log-probs, entropies, STARE sets, loss and gradient.
+    rows = {}
+    for b in ("true", "false"):
+        run = _train(cli, tmp_path / b, quick_toy, "stare-o1", "optim.total_steps=1", "method.dynamic_sampling=false",
+                     f"backend.embedded.length_buckets={b}", *batching)
+        rows[b] = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    keys = [k for k in rows["true"] if not k.startswith("time/") and isinstance(rows["true"][k], (int, float))]
+    assert {"entropy", "loss", "grad_norm", "stare/sel_pos", "actor/clip_frac"} <= set(keys)
+    torch.testing.assert_close(torch.tensor([rows["true"][k] for k in keys], dtype=torch.float32),
+                               torch.tensor([rows["false"][k] for k in keys], dtype=torch.float32))
