@@ -163,14 +163,22 @@ def token_logprobs_entropy(model, batch: dict, rows, temperature: float, need_en
     ids_all, plen, slen = batch["input_ids"], batch["prompt_len"], batch["seq_len"]
     T = batch["response_mask"].shape[1]
     rows = [int(r) for r in rows]
-    lens = [int(slen[r]) for r in rows]
+    lens = [batch["seq_lens"][r] for r in rows]  # host copies: no device sync per row on CUDA
     groups = length_buckets(lens) if buckets else [list(range(len(rows)))]
+    order = [i for g in groups for i in g]
+    inv = [0] * len(rows)
+    for k, i in enumerate(order):
+        inv[i] = k
+    # One host-to-device copy for all index tensors (each copy would wait for the GPU's queue).
+    dev_idx = torch.tensor([rows[i] for i in order] + inv, device=ids_all.device)
     j = torch.arange(T, device=ids_all.device)
     lps, ents = [], []
+    start = 0
     for g in groups:
-        idx = torch.tensor([rows[i] for i in g], device=ids_all.device)
+        idx = dev_idx[start : start + len(g)]
+        start += len(g)
         p, L = plen[idx], max(lens[i] for i in g)
-        p0 = int(p.min())
+        p0 = min(batch["prompt_lens"][rows[i]] for i in g)
         ids = ids_all[idx, :L]
         if L == p0:  # only empty responses: nothing to score
             lps.append(ids_all.new_zeros(len(g), T, dtype=torch.float32))
@@ -186,16 +194,15 @@ def token_logprobs_entropy(model, batch: dict, rows, temperature: float, need_en
         if need_entropy:
             ent_pos = -(logp_all.exp() * logp_all).sum(-1)
             ents.append(ent_pos.gather(1, col) * valid)
-    inv = torch.empty(len(rows), dtype=torch.long, device=ids_all.device)
-    inv[torch.tensor([i for g in groups for i in g], device=ids_all.device)] = torch.arange(len(rows), device=ids_all.device)
-    return torch.cat(lps)[inv], (torch.cat(ents)[inv] if need_entropy else None)
+    inv_t = dev_idx[len(rows):]
+    return torch.cat(lps)[inv_t], (torch.cat(ents)[inv_t] if need_entropy else None)
 
 
 def pack(samples: list, pad_id: int, device) -> dict:
     """Tensors for a list of rollout samples: each row is prompt + response from position 0, right-padded.
 
-    input_ids [B, L]; prompt_len, seq_len [B]; response_mask [B, T] (T: the longest response; 0 on
-    padding and on tool observations).
+    input_ids [B, L]; prompt_len, seq_len [B] (and as Python lists: prompt_lens, seq_lens);
+    response_mask [B, T] (T: the longest response; 0 on padding and on tool observations).
     """
     import torch
 
@@ -211,10 +218,14 @@ def pack(samples: list, pad_id: int, device) -> dict:
         # entropy and the STARE token sets.
         lm = s.loss_mask if s.loss_mask is not None else [1] * len(r)
         rmask.append(list(lm) + [0] * (T - len(r)))
+    plens = [len(s.prompt_ids) for s in samples]
+    slens = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
     return {
         "input_ids": torch.tensor(ids, device=device),
-        "prompt_len": torch.tensor([len(s.prompt_ids) for s in samples], device=device),
-        "seq_len": torch.tensor([len(s.prompt_ids) + len(s.response_ids) for s in samples], device=device),
+        "prompt_len": torch.tensor(plens, device=device),
+        "seq_len": torch.tensor(slens, device=device),
+        "prompt_lens": plens,
+        "seq_lens": slens,
         "response_mask": torch.tensor(rmask, dtype=torch.float32, device=device),
     }
 
