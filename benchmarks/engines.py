@@ -129,13 +129,11 @@ def sample_decode(model, input_ids, attention_mask, sp: SamplingParams, eos_ids:
     B, device = input_ids.shape[0], input_ids.device
     pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     # The n samples of a prompt are adjacent, equal rows: prefill each prompt once, then copy its cache.
+    first = inverse = torch.arange(B, device=device)
     if share_prefill:
-        _, inverse = torch.unique_consecutive(torch.cat([input_ids, attention_mask.long()], 1), dim=0,
-                                              return_inverse=True)
-    else:
-        inverse = torch.arange(B, device=device)
-    first = torch.zeros(int(inverse[-1]) + 1, dtype=torch.long, device=device).scatter_reduce(
-        0, inverse, torch.arange(B, device=device), "amin", include_self=False)
+        _, inverse, counts = torch.unique_consecutive(torch.cat([input_ids, attention_mask.long()], 1), dim=0,
+                                                      return_inverse=True, return_counts=True)
+        first = counts.cumsum(0) - counts
     cache = DynamicCache()
     out = model(input_ids=input_ids[first], attention_mask=attention_mask[first], position_ids=pos[first],
                 past_key_values=cache, use_cache=True, logits_to_keep=1)

@@ -38,7 +38,7 @@ def main() -> None:
     eng = HFEngine(model, tok, batch_size=128)
     samples = [s for g in eng.generate(prompts, SamplingParams(n=8, max_new_tokens=56, seed=0)) for s in g]
     batch = E.pack(samples, tok.pad_token_id, "cpu")
-    lens = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+    lens = batch["seq_len"].tolist()
     print(f"{len(samples)} rows, lengths {min(lens)}-{max(lens)} (mean {sum(lens) / len(lens):.1f})")
     model.train()
 

@@ -160,56 +160,59 @@ def token_logprobs_entropy(model, batch: dict, rows, temperature: float, need_en
     """
     import torch
 
-    ids_all, plen, slen = batch["input_ids"], batch["prompt_len"], batch["seq_len"]
+    ids_all = batch["input_ids"]
+    plens, slens = batch["prompt_len"].tolist(), batch["seq_len"].tolist()  # host tensors: no device sync
     T = batch["response_mask"].shape[1]
     rows = [int(r) for r in rows]
-    lens = [batch["seq_lens"][r] for r in rows]  # host copies: no device sync per row on CUDA
+    lens = [slens[r] for r in rows]
     groups = length_buckets(lens) if buckets else [list(range(len(rows)))]
-    order = [i for g in groups for i in g]
+    pos = [i for g in groups for i in g]  # positions in `rows`, bucket by bucket
+    order = [rows[i] for i in pos]
     inv = [0] * len(rows)
-    for k, i in enumerate(order):
+    for k, i in enumerate(pos):
         inv[i] = k
-    # One host-to-device copy for all index tensors (each copy would wait for the GPU's queue).
-    dev_idx = torch.tensor([rows[i] for i in order] + inv, device=ids_all.device)
+    # One host-to-device copy: batch rows in bucket order, their prompt and response lengths, and
+    # where each of `rows` lands in that order (every copy waits for the GPU's queue).
+    idx_all, p_all, rlen_all, inv_t = torch.tensor(
+        [order, [plens[r] for r in order], [slens[r] - plens[r] for r in order], inv], device=ids_all.device)
     j = torch.arange(T, device=ids_all.device)
     lps, ents = [], []
     start = 0
     for g in groups:
-        idx = dev_idx[start : start + len(g)]
+        sl = slice(start, start + len(g))
         start += len(g)
-        p, L = plen[idx], max(lens[i] for i in g)
-        p0 = min(batch["prompt_lens"][rows[i]] for i in g)
-        ids = ids_all[idx, :L]
+        L, p0 = max(slens[r] for r in order[sl]), min(plens[r] for r in order[sl])
         if L == p0:  # only empty responses: nothing to score
             lps.append(ids_all.new_zeros(len(g), T, dtype=torch.float32))
             ents.append(ids_all.new_zeros(len(g), T, dtype=torch.float32))
             continue
+        ids, p = ids_all[idx_all[sl], :L], p_all[sl]
         # Logits only where they predict response tokens: positions p0-1 .. L-2 predict tokens p0 .. L-1.
         logits = model(input_ids=ids, logits_to_keep=L - p0 + 1).logits[:, :-1].float() / temperature
         logp_all = torch.log_softmax(logits, dim=-1)
         lp_pos = logp_all.gather(-1, ids[:, p0:].unsqueeze(-1)).squeeze(-1)  # [b, L - p0]
         col = ((p - p0)[:, None] + j[None]).clamp(max=L - p0 - 1)  # response token j of a row sits at p + j
-        valid = (j[None] < (slen[idx] - p)[:, None]).float()
+        valid = (j[None] < rlen_all[sl, None]).float()
         lps.append(lp_pos.gather(1, col) * valid)
         if need_entropy:
             ent_pos = -(logp_all.exp() * logp_all).sum(-1)
             ents.append(ent_pos.gather(1, col) * valid)
-    inv_t = dev_idx[len(rows):]
     return torch.cat(lps)[inv_t], (torch.cat(ents)[inv_t] if need_entropy else None)
 
 
 def pack(samples: list, pad_id: int, device) -> dict:
     """Tensors for a list of rollout samples: each row is prompt + response from position 0, right-padded.
 
-    input_ids [B, L]; prompt_len, seq_len [B] (and as Python lists: prompt_lens, seq_lens);
-    response_mask [B, T] (T: the longest response; 0 on padding and on tool observations).
+    input_ids [B, L]; prompt_len, seq_len [B] (host tensors); response_mask [B, T] (T: the longest
+    response; 0 on padding and on tool observations).
     """
     import torch
 
-    L = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-    T = max(1, max(len(s.response_ids) for s in samples))
-    if min(len(s.prompt_ids) for s in samples) < 1:
+    plens = [len(s.prompt_ids) for s in samples]
+    slens = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+    if min(plens) < 1:
         raise StareError("a rollout sample has an empty prompt", hint="the first response token needs a prompt token before it")
+    L, T = max(slens), max(1, max(len(s.response_ids) for s in samples))
     ids, rmask = [], []
     for s in samples:
         p, r = s.prompt_ids, s.response_ids
@@ -218,14 +221,10 @@ def pack(samples: list, pad_id: int, device) -> dict:
         # entropy and the STARE token sets.
         lm = s.loss_mask if s.loss_mask is not None else [1] * len(r)
         rmask.append(list(lm) + [0] * (T - len(r)))
-    plens = [len(s.prompt_ids) for s in samples]
-    slens = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
     return {
         "input_ids": torch.tensor(ids, device=device),
-        "prompt_len": torch.tensor(plens, device=device),
-        "seq_len": torch.tensor(slens, device=device),
-        "prompt_lens": plens,
-        "seq_lens": slens,
+        "prompt_len": torch.tensor(plens),  # on the host: bucketing reads them without a device sync
+        "seq_len": torch.tensor(slens),
         "response_mask": torch.tensor(rmask, dtype=torch.float32, device=device),
     }
 
