@@ -206,21 +206,16 @@ def _sample_batch(model, prompts: list[list[int]], params: dict, max_tokens: int
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=attn, generation_config=gen)
     seqs = out.sequences[:, width:]
-    scores = torch.stack(out.scores, 1).float().log_softmax(-1) if out.scores else None
+    if out.scores:
+        lp = torch.stack(out.scores, 1).float().log_softmax(-1).gather(-1, seqs[..., None]).squeeze(-1)
+        lp = torch.where(torch.isneginf(lp), torch.full_like(lp, -1e4), lp)
+    else:
+        lp = torch.zeros(seqs.shape)
     results = []
-    for i in range(len(prompts)):
-        toks: list[int] = []
-        lps: list[float] = []
-        reason = "length"
-        for t in range(seqs.shape[1]):
-            tok = int(seqs[i, t])
-            toks.append(tok)
-            lp = float(scores[i, t, tok]) if scores is not None else 0.0
-            lps.append(lp if lp > float("-inf") else -1e4)
-            if tok in eos_ids:
-                reason = "completed"
-                break
-        results.append((toks, lps, reason))
+    for toks, lps in zip(seqs.tolist(), lp.tolist()):  # whole rows to Python: no per-token tensor access
+        stop = next((t for t, tok in enumerate(toks) if tok in eos_ids), None)
+        n = len(toks) if stop is None else stop + 1
+        results.append((toks[:n], lps[:n], "length" if stop is None else "completed"))
     return results
 
 
