@@ -160,7 +160,7 @@ def sample_decode(model, input_ids, attention_mask, sp: SamplingParams, eos_ids:
             idx = keep.nonzero().squeeze(-1)
             active, nxt, mask, last = active[idx], nxt[idx], mask[idx], last[idx]
             for layer in layers:
-                layer.keys, layer.values = layer.keys[idx], layer.values[idx]
+                layer.batch_select_indices(idx)
         if len(rows[int(active[0])]) == sp.max_new_tokens:
             break
         mask = torch.cat([mask, mask.new_ones(len(active), 1)], 1)
@@ -169,6 +169,15 @@ def sample_decode(model, input_ids, attention_mask, sp: SamplingParams, eos_ids:
                     use_cache=True)
         logits = out.logits[:, -1]
     return rows
+
+
+def _eos_list(tok_eos: Optional[int], extra) -> list[int]:
+    """The tokenizer's EOS id, then a generation config's EOS id(s) (an int or a list) not yet in it."""
+    ids = [tok_eos] if tok_eos is not None else []
+    for e in ([extra] if isinstance(extra, int) else list(extra or [])):
+        if e not in ids:
+            ids.append(e)
+    return ids
 
 
 class HFEngine:
@@ -191,12 +200,8 @@ class HFEngine:
     def eos_ids(self) -> list[int]:
         """The tokenizer's EOS plus the model's generation EOS ids (chat models end turns with
         e.g. <|im_end|>, which is not the tokenizer's eos_token for base Qwen2.5 models)."""
-        ids = [self.tok.eos_token_id] if self.tok.eos_token_id is not None else []
         gc = getattr(self.model, "generation_config", None)
-        extra = getattr(gc, "eos_token_id", None) if gc is not None else None
-        for e in ([extra] if isinstance(extra, int) else list(extra or [])):
-            if e not in ids:
-                ids.append(e)
+        ids = _eos_list(self.tok.eos_token_id, getattr(gc, "eos_token_id", None) if gc is not None else None)
         if not ids:
             raise ValueError("the tokenizer and the model define no EOS token")
         return ids
@@ -341,15 +346,11 @@ class VLLMEngine:
     encode = HFEngine.encode  # the same tokens as the HF engine
 
     def eos_ids(self) -> list[int]:
-        ids = [self.tok.eos_token_id] if self.tok.eos_token_id is not None else []
         try:
             extra = self.llm.llm_engine.generation_config_fields.get("eos_token_id")
         except AttributeError:
             extra = None
-        for e in ([extra] if isinstance(extra, int) else list(extra or [])):
-            if e not in ids:
-                ids.append(e)
-        return ids
+        return _eos_list(self.tok.eos_token_id, extra)
 
     def _model(self):
         """vLLM's model module in this process (V1 with multiprocessing off, or V0)."""

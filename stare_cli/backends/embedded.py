@@ -395,7 +395,7 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume_dir: Optional[Path]
         from benchmarks.engines import VLLMEngine
 
         engine = VLLMEngine(model_path, gpu_memory_utilization=R.vllm_gpu_memory_utilization,
-                            dtype={"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}[cfg.model.dtype.value],
+                            dtype=cfg.model.dtype.value,
                             max_model_len=R.max_prompt_tokens + R.max_response_tokens,
                             trust_remote_code=cfg.model.trust_remote_code, max_prompt_tokens=R.max_prompt_tokens,
                             colocate=True, seed=O.seed)
