@@ -164,10 +164,7 @@ def _plain_tokenizer_support() -> None:
             return orig_tok(name_or_path, correct_pad_token=correct_pad_token, correct_gemma2=correct_gemma2, **kwargs)
 
         hf_tokenizer._stare = True
-        # modules imported before this point bound verl's function by name: rebind them too
-        for name, mod in list(sys.modules.items()):
-            if (name == "verl" or name.startswith("verl.")) and getattr(mod, "hf_tokenizer", None) is orig_tok:
-                mod.hf_tokenizer = hf_tokenizer
+        _rebind_in_verl("hf_tokenizer", orig_tok, hf_tokenizer)
     orig = continuous_token_wiring.create_continuous_token_builder
     if getattr(orig, "_stare", False):
         return
@@ -179,9 +176,15 @@ def _plain_tokenizer_support() -> None:
         return orig(tokenizer, model_family=model_family, **kwargs)
 
     create_continuous_token_builder._stare = True
+    _rebind_in_verl("create_continuous_token_builder", orig, create_continuous_token_builder)
+
+
+def _rebind_in_verl(attr: str, old, new) -> None:
+    """Replace `old` by `new` under `attr` in every loaded verl module: modules imported before the
+    patch bound verl's function by name."""
     for name, mod in list(sys.modules.items()):
-        if (name == "verl" or name.startswith("verl.")) and getattr(mod, "create_continuous_token_builder", None) is orig:
-            mod.create_continuous_token_builder = create_continuous_token_builder
+        if (name == "verl" or name.startswith("verl.")) and getattr(mod, attr, None) is old:
+            setattr(mod, attr, new)
 
 
 try:  # our losses under our method names, in every process that has verl (actor workers look them up)
