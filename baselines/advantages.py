@@ -73,13 +73,16 @@ def overlong_penalty(lengths: Tensor, max_len: int, buffer: int, factor: float =
     return torch.clamp(-exceed / buffer * factor, max=0.0)
 
 
-def dynamic_sampling_keep(rewards: Tensor, group: Tensor) -> tuple[Tensor, int]:
-    """DAPO dynamic sampling as a pure filter: keep groups whose rewards are not all equal.
+def dynamic_sampling_keep(metric: Tensor, group: Tensor) -> tuple[Tensor, int]:
+    """DAPO dynamic sampling as a pure filter: drop groups whose metric is the same for every
+    response, as the official STARE trainer and verl's replay buffer do.
 
-    A group of one response is all-equal and is dropped (its GRPO advantage carries no signal).
+    A group of one response is kept (as in both of them: its spread is undefined, not zero); its
+    GRPO advantage is r / (1 + eps) by verl's convention. The metric is whatever the recipe filters
+    on: the official trainer filters on `acc`, not on the shaped training reward.
 
     Args:
-        rewards: [B] rewards.
+        metric: [B] per-response values (e.g. accuracy 0/1).
         group: [B] integer group ids.
     Returns:
         keep: [B] bool, True for responses of kept groups.
@@ -87,8 +90,9 @@ def dynamic_sampling_keep(rewards: Tensor, group: Tensor) -> tuple[Tensor, int]:
     """
     _, inv = torch.unique(group, return_inverse=True)
     G = int(inv.max()) + 1 if inv.numel() else 0
-    r = rewards.to(torch.float64)
+    r = metric.to(torch.float64)
     lo = torch.full((G,), float("inf"), dtype=torch.float64, device=r.device).scatter_reduce(0, inv, r, "amin")
     hi = torch.full((G,), float("-inf"), dtype=torch.float64, device=r.device).scatter_reduce(0, inv, r, "amax")
-    varied = hi > lo
-    return varied[inv], int((~varied).sum())
+    size = torch.zeros(G, dtype=torch.int64, device=r.device).index_add_(0, inv, torch.ones_like(inv))
+    keep_group = (hi > lo) | (size == 1)
+    return keep_group[inv], int((~keep_group).sum())

@@ -4,17 +4,17 @@ Every baseline is the GRPO-ds recipe (dynamic sampling, clip 0.2 / 0.28, dual-cl
 plus its own change, so that the method is the only axis between rows of a comparison; the
 exceptions are stated per method (`grpo` drops dynamic sampling and clip-higher, `w-reinforce`
 uses its own advantages without dynamic sampling). A method's `defaults` are recipe keys that define
-it; they are applied over the recipe file and under `-o` overrides (see stare_cli/recipes.py).
+it; they are applied over the recipe file and under `-o` overrides (by the method layer,
+stare_cli/method_layer.py, which joins this registry to the recipe schema and owns the loss dispatch).
+Pure data: nothing here imports the CLI, the benchmarks or a backend.
 """
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
-from torch import Tensor
-
-from stare_cli.errors import StareError, did_you_mean
 
 AdvName = Literal["grpo", "w_reinforce"]
 LossName = Literal["ppo_clip", "gspo", "clip_cov", "kl_cov"]
@@ -106,67 +106,15 @@ METHODS: dict[str, MethodSpec] = {
 }
 
 
-def check_method(name: str) -> MethodSpec:
-    """The spec of `name`, or a StareError listing the valid names with a 'did you mean'."""
-    if name not in METHODS:
-        raise StareError(
-            f"unknown method '{name}'{did_you_mean(name, METHODS)}; valid: {', '.join(METHODS)}",
-            hint="`stare methods` lists them",
-        )
-    return METHODS[name]
+class UnknownMethodError(ValueError):
+    """An unknown method name; the message lists the valid names with a 'did you mean'."""
 
 
-def method_defaults(name: str) -> dict[str, Any]:
-    """Recipe keys (dotted) that define method `name`."""
-    return dict(check_method(name).defaults)
-
-
-def policy_loss(
-    spec: MethodSpec,
-    cfg: Any,
-    *,
-    log_prob: Tensor,
-    old_log_prob: Tensor,
-    adv: Tensor,
-    mask: Tensor,
-    entropy: Optional[Tensor] = None,
-    agg: Any = None,
-    generator: Any = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """The method's loss on one (micro-)batch. Shapes [B, T].
-
-    `adv` already carries any token-level transform done at batch scope (STARE weights); `mask`
-    already excludes tokens a method drops at batch scope (80/20). `entropy` is the current
-    policy's token entropy with grad (needed by EntroAdv and the entropy bonus). `cfg` is the
-    recipe's MethodConfig.
-    """
-    from baselines.aggregation import Agg
-    from baselines.losses import clip_cov_loss, entro_adv, entropy_bonus, gspo_loss, kl_cov_loss, ppo_clip_loss
-
-    agg = agg or Agg(cfg.loss_agg)
-    if spec.entro_adv:
-        if entropy is None:
-            raise ValueError("entro-adv needs the current policy's token entropy")
-        adv = entro_adv(adv, entropy, cfg.entro_adv.alpha, cfg.entro_adv.kappa)
-    common = dict(log_prob=log_prob, old_log_prob=old_log_prob, adv=adv, mask=mask, agg=agg)
-    if spec.loss == "ppo_clip":
-        loss, stats = ppo_clip_loss(**common, clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip)
-    elif spec.loss == "gspo":
-        loss, stats = gspo_loss(**common, clip_low=cfg.gspo.clip_low, clip_high=cfg.gspo.clip_high)
-    elif spec.loss == "clip_cov":
-        c = cfg.clip_cov
-        loss, stats = clip_cov_loss(
-            **common, clip_low=cfg.clip_low, clip_high=cfg.clip_high, ratio_frac=c.ratio,
-            cov_lb=c.cov_lb, cov_ub=c.cov_ub, generator=generator,
-        )
-    elif spec.loss == "kl_cov":
-        loss, stats = kl_cov_loss(**common, ratio_frac=cfg.kl_cov.ratio, coef=cfg.kl_cov.coef)
-    else:  # pragma: no cover - MethodSpec.loss is a closed Literal
-        raise ValueError(spec.loss)
-    if cfg.entropy_coef > 0:
-        if entropy is None:
-            raise ValueError("the entropy bonus needs the current policy's token entropy")
-        bonus = entropy_bonus(entropy, mask, cfg.entropy_coef, agg)
-        stats["entropy_bonus"] = bonus.detach()
-        loss = loss + bonus
-    return loss, stats
+def lookup_method(name: str) -> MethodSpec:
+    """The spec of `name` (case-insensitive), or UnknownMethodError naming the closest method."""
+    key = str(name).strip().lower()
+    if key in METHODS:
+        return METHODS[key]
+    close = difflib.get_close_matches(key, list(METHODS), n=1, cutoff=0.5)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    raise UnknownMethodError(f"unknown method '{name}'{hint}; valid: {', '.join(METHODS)}")

@@ -7,11 +7,14 @@ and weights them W (L+) and M (L-), 1 elsewhere, while a closed-loop gate is on 
 entropy H < H_tgt). Since w > 0, w * clip-loss(A) == clip-loss(w * A): the weights are a token-level
 advantage transform A_eff = w * A that composes with any loss of the PPO-clip family.
 
-Deviations from the paper's text, stated: |L+| = ceil(P |T+|), at least 1 when T+ is non-empty,
-except P = 0, which selects nothing; ties in surprisal at the threshold are broken by position
-(earlier flat index first), so selection is deterministic on every device. A == 0 tokens are never
-weighted. The selection scope (whole batch, or each loss call as the official code) is the
-caller's choice: call this function on what it should see.
+Counting as the official code: |L+| = min(n, max(1, int(n P + 0.999999))) for n = |T+| > 0 (the
+paper's ceil(P n), at least one token), and none for P = 0. A == 0 tokens are never weighted.
+Deviation from the official code, stated: ties in surprisal at the threshold are broken by position
+(earlier flat index first), so selection is deterministic on every device; the official code takes
+whatever `torch.topk` returns among tied tokens. Weights are float32 (the official code stores them in
+the advantages' dtype; under bf16 advantages W = 1.1 would become 1.1015625). The selection scope
+(the whole batch, or each loss call on the current log-probs as the official code) is the caller's
+choice: call this function on what it should see (stare_cli/method_layer.py does both).
 """
 
 from __future__ import annotations
@@ -47,10 +50,86 @@ def _top_k_positions(old_log_prob: Tensor, members: Tensor, n: int, k: int) -> T
 
 
 def _k(P: float, n: int) -> int:
+    """Tokens selected among n candidates: the official count, min(n, max(1, int(n P + 0.999999))).
+
+    The official code's "+ 0.999999" is a ceiling that forgives float error: 0.1 * 30 is
+    3.0000000000000004 in floating point, and int(3.0000000000000004 + 0.999999) is 3.
+    """
     if n == 0 or P <= 0:
         return 0
-    # round() first: 0.1 * 30 is 3.0000000000000004 in floating point, whose ceil would be 4.
-    return min(n, max(1, math.ceil(round(P * n, 9))))
+    return min(n, max(1, int(n * P + 0.999999)))
+
+
+def check_stare_args(P: float, variant: str) -> str:
+    """Validate P (in [0, 1], as the official code) and the variant (case-insensitive, like the
+    official code's upper-casing); returns the variant in lower case."""
+    P = float(P)
+    if not 0.0 <= P <= 1.0:  # also rejects NaN
+        raise ValueError(f"STARE P must be in [0, 1], got {P}")
+    v = str(variant).strip().lower()
+    if v not in ("o1", "c2"):
+        raise ValueError(f"unknown STARE variant '{variant}'; valid: o1, c2 (any case)")
+    return v
+
+
+def stare_sets(adv: Tensor, log_prob: Tensor, mask: Tensor, *, P: float, variant: str) -> tuple[Tensor, Tensor]:
+    """L+ and L- as flat-shaped bool masks [B, T] (L- all False for O1), ignoring the gate.
+
+    Args:
+        adv: [B, T] token advantages; log_prob: [B, T] log pi of the sampled tokens (surprisal is
+            -log_prob); mask: [B, T] valid response tokens.
+        P: fraction selected, in [0, 1]; variant: 'o1' or 'c2' (any case).
+    Returns:
+        (L+, L-), each [B, T] bool. At most one host synchronisation (the sizes of T+ and T-).
+    """
+    variant = check_stare_args(P, variant)
+    shape = adv.shape
+    olp = log_prob.reshape(-1)
+    # mask is 0/1, so sign(A * mask) is sign(A) on valid tokens and 0 elsewhere: one pass for both sets.
+    am = adv.reshape(-1) * mask.reshape(-1).to(adv.dtype)
+    cands = [am > 0] + ([am < 0] if variant == "c2" else [])
+    counts = torch.stack([torch.count_nonzero(m) for m in cands]).tolist()  # the one host sync
+    out = []
+    for members, n in zip(cands, counts):
+        sel = torch.zeros(olp.shape, dtype=torch.bool, device=adv.device)
+        k = _k(P, int(n))
+        if k:
+            sel[_top_k_positions(olp, members, int(n), k)] = True
+        out.append(sel.reshape(shape))
+    if variant == "o1":
+        out.append(torch.zeros(shape, dtype=torch.bool, device=adv.device))
+    return out[0], out[1]
+
+
+def stare_weights_and_sets(
+    adv: Tensor,
+    log_prob: Tensor,
+    mask: Tensor,
+    *,
+    P: float = 0.1,
+    W: float = 1.1,
+    M: float = 0.9,
+    variant: Variant = "o1",
+    gate: Union[bool, Tensor] = True,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """STARE token weights w [B, T] (float32) and the sets L+, L- [B, T] (bool) they came from.
+
+    The sets are selected whatever the gate (the official code logs their shares also while the
+    gate is off); the weights are W on L+, M on L- (C2), 1 elsewhere, and all 1 while the gate is off.
+    Arguments as `stare_token_weights`.
+    """
+    variant = check_stare_args(P, variant)
+    if not isinstance(gate, Tensor):
+        gate = bool(gate)
+    l_pos, l_neg = stare_sets(adv, log_prob, mask, P=P, variant=variant)
+    w = torch.ones(adv.shape, dtype=torch.float32, device=adv.device)
+    if gate is not False:
+        w = w.masked_fill(l_pos, float(W))
+        if variant == "c2":
+            w = w.masked_fill(l_neg, float(M))
+        if isinstance(gate, Tensor):
+            w = torch.where(gate.to(device=w.device, dtype=torch.bool), w, torch.ones_like(w))
+    return w, l_pos, l_neg
 
 
 def stare_token_weights(
@@ -68,36 +147,21 @@ def stare_token_weights(
 
     Args:
         adv: [B, T] token advantages (any float dtype).
-        old_log_prob: [B, T] log pi_old of the sampled tokens.
+        old_log_prob: [B, T] log pi of the sampled tokens that the selection ranks by (the rollout's
+            for batch scope, the current policy's for the official scope).
         mask: [B, T] 1 for valid response tokens.
-        P: fraction of T+ (and T-) selected, in [0, 1].
+        P: fraction of T+ (and T-) selected, in [0, 1] (ValueError otherwise).
         W: weight on L+; M: weight on L- (variant 'c2' only).
-        variant: 'o1' (reweight L+ only) or 'c2' (L+ and L-).
-        gate: the controller's gate; a Python bool, or a 0-dim bool tensor (no host sync).
+        variant: 'o1' (reweight L+ only) or 'c2' (L+ and L-), any case.
+        gate: the controller's gate: anything `bool()` accepts (a Python or numpy bool, 0/1), or a
+            0-dim bool tensor (no host sync).
     Returns:
         [B, T] float32 weights. At most one host synchronisation (the sizes of T+ and T-).
     """
-    if variant not in ("o1", "c2"):
-        raise ValueError(f"unknown STARE variant '{variant}'; valid: o1, c2")
-    if (isinstance(gate, bool) and not gate) or P <= 0:
+    check_stare_args(P, variant)
+    if not isinstance(gate, Tensor) and not bool(gate) or P <= 0:
         return torch.ones(adv.shape, dtype=torch.float32, device=adv.device)
-    shape = adv.shape
-    olp = old_log_prob.reshape(-1)
-    # mask is 0/1, so sign(A * mask) is sign(A) on valid tokens and 0 elsewhere: one pass for both sets.
-    am = adv.reshape(-1) * mask.reshape(-1).to(adv.dtype)
-    sets = [(am > 0, W)]
-    if variant == "c2":
-        sets.append((am < 0, M))
-    counts = torch.stack([torch.count_nonzero(m) for m, _ in sets]).tolist()  # the one host sync
-    w = torch.ones(olp.shape, dtype=torch.float32, device=adv.device)
-    for (members, weight), n in zip(sets, counts):
-        k = _k(P, int(n))
-        if k:
-            w[_top_k_positions(olp, members, int(n), k)] = weight
-    w = w.reshape(shape)
-    if isinstance(gate, Tensor):
-        w = torch.where(gate.to(w.device), w, torch.ones_like(w))
-    return w
+    return stare_weights_and_sets(adv, old_log_prob, mask, P=P, W=W, M=M, variant=variant, gate=gate)[0]
 
 
 @dataclass
@@ -122,12 +186,17 @@ class StareController:
     steps: int = 0
     steps_on: int = 0
 
+    def __post_init__(self) -> None:
+        self.variant = check_stare_args(self.P, self.variant)  # type: ignore[assignment]
+
     def update(self, entropy: float) -> bool:
-        """Take the batch-mean token entropy H (a float); return the new gate."""
+        """Take the batch-mean token entropy H (anything `float()` accepts: a Python, numpy or
+        0-dim torch number); return the new gate (a Python bool)."""
+        entropy = float(entropy)
         if not math.isfinite(entropy):
             return self.gate
         self.steps += 1
-        self.gate = entropy < self.h_tgt
+        self.gate = bool(entropy < self.h_tgt)
         self.steps_on += int(self.gate)
         if self.adaptive:
             sgn = (self.h_tgt > entropy) - (self.h_tgt < entropy)

@@ -18,7 +18,7 @@ from typing import Optional
 
 from benchmarks.engines import SamplingParams
 from benchmarks.grading import Grader
-from benchmarks.metrics import benchmark_metrics
+from benchmarks.metrics import REFLECTION_WORDS, benchmark_metrics, reflection_rate
 from benchmarks.registry import BENCHMARKS, load_benchmark
 from benchmarks.templates import build_prompt
 from stare_cli.runs import atomic_write_text, environment_summary, read_jsonl
@@ -44,30 +44,28 @@ class EvalSettings:
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def _reflection(text: str, words: list[str]) -> float:
-    from stare_cli.backends.embedded import reflection_rate
-
-    return reflection_rate([text], words)
-
-
 def evaluate_benchmark(engine, tokenizer, s: EvalSettings, out_dir: Path, grader: Grader,
                        data_file: Optional[str] = None, use_chat_template: bool = True, progress=None,
                        reflection_words: Optional[list[str]] = None, tools=None) -> dict:
     """Evaluate one benchmark into out_dir; returns the results dict (also written as results.json)."""
-    words = reflection_words or ["wait", "verify", "check", "recheck", "however", "alternatively"]
+    words = reflection_words or REFLECTION_WORDS
     rows = load_benchmark(s.bench, limit=s.limit, data_file=data_file)
     out_dir.mkdir(parents=True, exist_ok=True)
     samples_path = out_dir / "samples.jsonl"
     key = s.key()
     done: dict[tuple[int, int], dict] = {}
+    others = []  # rows of other settings: kept as they are
     for r in read_jsonl(samples_path):
         if r.get("key") == key:
             done[(r["idx"], r["sample"])] = r
-    # Keep only whole chunks (a crash may have left part of one).
+        else:
+            others.append(r)
+    # Keep only whole chunks (a crash may have left part of one); samples graded by another grader are
+    # graded again below, not generated again.
     chunks = [rows[i : i + CHUNK] for i in range(0, len(rows), CHUNK)]
     complete = {ci for ci, ch in enumerate(chunks) if all((r["idx"], j) in done for r in ch for j in range(s.n))}
-    kept = [done[(r["idx"], j)] for ci in sorted(complete) for r in chunks[ci] for j in range(s.n)]
-    atomic_write_text(samples_path, "".join(json.dumps(r) + "\n" for r in kept))
+    kept = _regrade([done[(r["idx"], j)] for ci in sorted(complete) for r in chunks[ci] for j in range(s.n)], grader)
+    atomic_write_text(samples_path, "".join(json.dumps(r) + "\n" for r in [*others, *kept]))
     task = progress.add_task(f"{s.bench}", total=len(rows)) if progress else None
     if progress:
         progress.update(task, completed=sum(len(chunks[ci]) for ci in complete))
@@ -86,7 +84,7 @@ def evaluate_benchmark(engine, tokenizer, s: EvalSettings, out_dir: Path, grader
             lines.append(json.dumps({
                 "key": key, "idx": r["idx"], "sample": j, "prompt": p, "response": smp.text, "gold": r["answer"],
                 "extracted": v.extracted, "method": v.method, "correct": bool(v.correct and smp.finished),
-                "reason": v.reason if smp.finished else "truncated", "finished": smp.finished,
+                "reason": v.reason if smp.finished else "truncated", "finished": smp.finished, "grader": v.grader,
                 "length": len(smp.response_ids) if smp.response_ids else len(smp.text.split()),
                 "tool_calls": smp.tool_calls, "tool_errors": smp.tool_errors,
             }) + "\n")
@@ -105,11 +103,12 @@ def evaluate_benchmark(engine, tokenizer, s: EvalSettings, out_dir: Path, grader
         per_problem.append({
             "correct": [r["correct"] for r in ss], "answers": [r["extracted"] for r in ss],
             "lengths": [r["length"] for r in ss], "finished": [r["finished"] for r in ss],
-            "reflection": sum(_reflection(r["response"], words) for r in ss) / len(ss),
+            "reflection": sum(reflection_rate([r["response"]], words) for r in ss) / len(ss),
+            "tool_calls": [r.get("tool_calls", 0) for r in ss],
         })
     spec = BENCHMARKS[s.bench]
     results = {
-        "benchmark": s.bench, "benchmark_version": spec.version, "settings": asdict(s), "key": key,
+        "benchmark": s.bench, "benchmark_version": spec.version, "settings": asdict(s), "key": key, "grader": grader.tag,
         "protocol": {"n": s.n, "temperature": s.temperature, "top_p": s.top_p, "template": s.template,
                      "max_tokens": s.max_tokens, "paper_protocol": s.n == spec.n and s.temperature == spec.temperature
                      and s.top_p == spec.top_p and s.limit is None},
@@ -119,6 +118,16 @@ def evaluate_benchmark(engine, tokenizer, s: EvalSettings, out_dir: Path, grader
     }
     atomic_write_text(out_dir / "results.json", json.dumps(results, indent=2))
     return results
+
+
+def _regrade(rows: list[dict], grader: Grader) -> list[dict]:
+    """Rows whose verdict came from another grader (or none recorded), graded again by `grader`."""
+    stale = [r for r in rows if r.get("grader") != grader.tag]
+    if stale:
+        for r, v in zip(stale, grader.grade_many([r["response"] for r in stale], [r["gold"] for r in stale])):
+            r.update({"extracted": v.extracted, "method": v.method, "correct": bool(v.correct and r["finished"]),
+                      "reason": v.reason if r["finished"] else "truncated", "grader": v.grader})
+    return rows
 
 
 def resolve_model(model: str) -> tuple[str, Optional[Path]]:
@@ -142,7 +151,7 @@ def run_eval(model: str, benches: list[str], engine_name: str = "auto", n: Optio
              temperature: Optional[float] = None, top_p: Optional[float] = None, max_tokens: Optional[int] = None,
              seed: int = 0, data_file: Optional[str] = None, base_url: Optional[str] = None, workers: Optional[int] = None,
              device: str = "auto", batch_size: int = 64, dtype: str = "auto", tools: Optional[str] = None,
-             vllm_kwargs: Optional[dict] = None) -> dict[str, dict]:
+             vllm_kwargs: Optional[dict] = None, grader: str = "math-verify") -> dict[str, dict]:
     """Evaluate `model` on `benches`; returns {bench: results}. Prints progress on stderr."""
     import sys
 
@@ -170,7 +179,7 @@ def run_eval(model: str, benches: list[str], engine_name: str = "auto", n: Optio
         if tools != "python":
             raise StareError(f"unknown tool '{tools}'", hint="the available tool is 'python'")
         tool_spec = ToolSpec()
-    grader = Grader(workers=workers)
+    grading = Grader(workers=workers, name=grader)
     try:
         with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=__import__("rich.console").console.Console(stderr=True), disable=not sys.stderr.isatty()) as prog:
@@ -180,15 +189,16 @@ def run_eval(model: str, benches: list[str], engine_name: str = "auto", n: Optio
                                  temperature=spec.temperature if temperature is None else temperature,
                                  top_p=spec.top_p if top_p is None else top_p, max_tokens=max_tokens or spec.max_tokens,
                                  seed=seed, engine=engine_name, limit=limit)
-                results[b] = evaluate_benchmark(engine, tok, s, out / b, grader, data_file=data_file, progress=prog,
+                results[b] = evaluate_benchmark(engine, tok, s, out / b, grading, data_file=data_file, progress=prog,
                                                 tools=tool_spec)
                 if not sys.stderr.isatty():
                     m = results[b]["metrics"]
                     avg = m[f"avg@{m['n']}"]
                     print(f"{b}: avg@{m['n']} {avg:.1f}", file=sys.stderr, flush=True)
     finally:
-        grader.close()
-    summary = {"model": path, "out": str(out), "benchmarks": {b: r["metrics"] for b, r in results.items()}}
+        grading.close()
+    summary = {"model": path, "out": str(out), "grader": grading.tag,
+               "benchmarks": {b: r["metrics"] for b, r in results.items()}}
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
     return results
 

@@ -7,6 +7,7 @@ first), correct when that answer's samples were graded correct; averaged over pr
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from math import comb
 from typing import Optional, Sequence
@@ -57,4 +58,20 @@ def benchmark_metrics(per_problem: list[dict]) -> dict[str, float]:
     out["len/mean"] = sum(lens) / len(lens)
     out["truncated"] = 100 * (1 - sum(fins) / len(fins))
     out["reflection_rate"] = sum(p.get("reflection", 0.0) for p in per_problem) / len(per_problem)
+    calls = [x for p in per_problem for x in p.get("tool_calls", [])[:n]]
+    if calls:
+        out["tool_calls"] = sum(calls) / len(calls)  # tool calls per response
     return out
+
+
+REFLECTION_WORDS = ("wait", "verify", "check", "recheck", "however", "alternatively")
+
+
+def reflection_rate(texts: Sequence[str], words: Sequence[str] = REFLECTION_WORDS) -> float:
+    """Reflection words (whole words, any case) per 1,000 words of response text."""
+    if not words:
+        return 0.0
+    pat = re.compile(r"\b(" + "|".join(re.escape(w) for w in words) + r")\b", re.IGNORECASE)
+    n_words = sum(len(t.split()) for t in texts)
+    hits = sum(len(pat.findall(t)) for t in texts)
+    return 1000.0 * hits / max(n_words, 1)

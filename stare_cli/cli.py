@@ -112,7 +112,7 @@ def train(
     ] = None,
 ) -> None:
     """Train one method under one recipe."""
-    from stare_cli.recipes import load_recipe
+    from stare_cli.method_layer import load_recipe
 
     overrides = list(override or [])
     if backend is not None:
@@ -132,6 +132,9 @@ def train(
     if device is not None:  # the key depends on the backend the recipe and overrides chose
         overrides.append(f"backend.{cfg.backend.name}.device={device.value}")
         cfg = resume_recipe(resume, overrides) if resume is not None else load_recipe(recipe, method, overrides)
+    from stare_cli.backends import check as check_backend
+
+    check_backend(cfg)
     if cfg.backend.name == "verl":
         from stare_cli.backends import verl_backend
 
@@ -178,6 +181,9 @@ def eval_cmd(
     base_url: Annotated[Optional[str], typer.Option(help="OpenAI-compatible endpoint for --engine openai.")] = None,
     workers: Annotated[Optional[int], typer.Option(min=0, help="Grading processes (default: all cores; 0: in-process).")] = None,
     harness: Annotated[Harness, typer.Option(help="native, or the lm-eval bridge.")] = Harness.native,
+    grader: Annotated[str, typer.Option(help="Grader: math-verify (ours), math-verify-plain, stare-official, "
+                                        "stare-official-3way or mathruler; saved samples are re-graded, not regenerated.")
+                      ] = "math-verify",
     tools: Annotated[Optional[str], typer.Option(help="Let the model call a tool: 'python' (sandboxed).")] = None,
     tensor_parallel: Annotated[int, typer.Option(min=1, help="vLLM tensor parallel size.")] = 1,
     gpu_memory_utilization: Annotated[float, typer.Option(min=0.05, max=1.0, help="vLLM share of GPU memory.")] = 0.85,
@@ -195,9 +201,11 @@ def eval_cmd(
         typer.echo(json.dumps(res, indent=2))
         return
     from benchmarks.evaluate import run_eval
+    from benchmarks.grading import check_grader
 
+    check_grader(grader)  # before any model loads
     results = run_eval(model, bench, engine.value, n, limit, out, template.value, temperature, top_p, max_tokens,
-                       seed, data_file, base_url, workers, tools=tools,
+                       seed, data_file, base_url, workers, tools=tools, grader=grader,
                        vllm_kwargs={"tensor_parallel_size": tensor_parallel, "gpu_memory_utilization": gpu_memory_utilization})
     rows = {b: r["metrics"] for b, r in results.items()}
     if as_json:
@@ -314,7 +322,8 @@ def methods(as_json: JsonOpt = False) -> None:
 @recipes_app.command("list")
 def recipes_list(as_json: JsonOpt = False) -> None:
     """List the shipped recipes."""
-    from stare_cli.recipes import list_recipes, load_recipe
+    from stare_cli.method_layer import load_recipe
+    from stare_cli.recipes import list_recipes
 
     rows = []
     for name in list_recipes():
@@ -342,7 +351,8 @@ def recipes_show(
     as_json: JsonOpt = False,
 ) -> None:
     """Print the fully resolved recipe (YAML), with method defaults and overrides applied."""
-    from stare_cli.recipes import load_recipe, recipe_to_yaml
+    from stare_cli.method_layer import load_recipe
+    from stare_cli.recipes import recipe_to_yaml
 
     r = load_recipe(recipe, method, override)
     typer.echo(json.dumps(r.model_dump(mode="json"), indent=2) if as_json else recipe_to_yaml(r), nl=False)
@@ -353,17 +363,35 @@ def recipes_validate(
     recipes: Annotated[Optional[list[str]], typer.Argument(help="Names or paths (default: every shipped recipe).")] = None,
     method: MethodOpt = None,
     all_methods: Annotated[bool, typer.Option("--all-methods", help="Validate under every registered method.")] = False,
+    backend: Annotated[
+        Optional[Backend], typer.Option(help="Also check that this backend honours every key (default: the recipe's).")
+    ] = None,
+    override: OverrideOpt = None,
 ) -> None:
-    """Validate recipes without loading a model (no GPU needed). Exit 1 on the first invalid one."""
+    """Validate recipes without loading a model (no GPU needed): the schema, and what the backend can
+    honour (every refused key is listed). Exit 1 when any recipe is invalid."""
     from baselines.registry import METHODS
-    from stare_cli.recipes import list_recipes, load_recipe
+    from stare_cli.backends import refusals
+    from stare_cli.method_layer import load_recipe
+    from stare_cli.recipes import list_recipes
 
     names = recipes or list_recipes()
     meths: list[Optional[str]] = list(METHODS) if all_methods else [method]
+    bad = 0
     for name in names:
+        problems: list[str] = []
         for m in meths:
-            load_recipe(name, m)
-        typer.echo(f"ok  {name}")
+            cfg = load_recipe(name, m, override)
+            b = backend.value if backend is not None else cfg.backend.name
+            problems += [f"{key}: {reason}" for key, reason in refusals(cfg, b) if f"{key}: {reason}" not in problems]
+        if problems:
+            bad += 1
+            for p in problems:
+                print(f"error: {name} on the {b} backend: {p}", file=sys.stderr)
+        else:
+            typer.echo(f"ok  {name}" + (f" ({backend.value})" if backend is not None else ""))
+    if bad:
+        raise typer.Exit(1)
 
 
 # ------------------------------------------------------------------------------------------ data
@@ -376,7 +404,7 @@ def data_prepare(
 ) -> None:
     """Write verl parquet files (train + the recipe's benchmarks)."""
     from stare_cli.backends.verl_backend import prepare_data
-    from stare_cli.recipes import load_recipe
+    from stare_cli.method_layer import load_recipe
 
     cfg = load_recipe(recipe, None, override)
     for p in prepare_data(cfg, out or Path("data") / cfg.name.replace("/", "-"), limit):

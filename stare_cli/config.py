@@ -37,7 +37,8 @@ class ModelConfig(_Strict):
         "(made and cached on first use).",
         min_length=1,
     )
-    dtype: Dtype = Field(Dtype.float32, description="Weights dtype for training and rollout.")
+    dtype: Dtype = Field(Dtype.float32, description="Weights dtype of the rollout engine (vLLM); training keeps fp32 "
+                         "master weights and computes in optim.precision.")
     chat_template: Literal["auto", "none"] = Field(
         "auto", description="'auto' uses the tokenizer's chat template when it has one; 'none' never."
     )
@@ -80,11 +81,22 @@ class RolloutConfig(_Strict):
         64, ge=1, description="Prompts drawn per generation batch with dynamic sampling (several may be drawn); "
         "without it a step draws optim.train_batch_size prompts."
     )
+    refill: Literal["gen_batches", "per_group"] = Field(
+        "gen_batches", description="How dynamic sampling fills the train batch: 'gen_batches' draws gen_batch_size "
+        "prompts at a time, at most max_gen_batches times, and trains on the first train_batch_size kept groups (the "
+        "official trainer); 'per_group' draws one fresh prompt per dropped group until the batch is full, with no cap "
+        "(verl 0.9's V1 replay buffer; gen_batch_size, max_gen_batches and on_short_batch unused)."
+    )
     max_gen_batches: int = Field(
         10, ge=1, description="At most this many generation batches per step when dynamic sampling."
     )
-    truncated: Literal["zero", "mask"] = Field(
-        "zero", description="A response that never ends: reward 0 ('zero') or left out of the loss ('mask')."
+    on_short_batch: Literal["error", "train"] = Field(
+        "error", description="When max_gen_batches generation batches still leave the train batch short of kept "
+        "groups: stop with an error ('error', as the official trainer) or train on the groups kept ('train')."
+    )
+    truncated: Literal["grade", "zero", "mask"] = Field(
+        "grade", description="A response cut at max_response_tokens: graded like any other ('grade', as the official "
+        "code), rewarded 0 ('zero'), or left out of the loss ('mask')."
     )
     engine: Literal["auto", "hf", "vllm"] = Field(
         "auto", description="Rollout engine: vLLM when installed and a GPU is present, else HF generate."
@@ -103,7 +115,12 @@ class OptimConfig(_Strict):
     grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
     train_batch_size: int = Field(64, ge=1, description="Prompts per training step (after dynamic sampling).")
     mini_batch_size: int = Field(64, ge=1, description="Prompts per optimizer update (PPO mini-batch).")
-    micro_batch_size: int = Field(8, ge=1, description="Responses per forward/backward (accumulation).")
+    micro_batch_size: int = Field(
+        8, ge=1, description="Responses per forward/backward (accumulation) when micro_batch_tokens is not set.")
+    micro_batch_tokens: Optional[int] = Field(
+        None, ge=1, description="Token budget of one forward/backward (prompt + response tokens), as verl's dynamic "
+        "batch size (official runs: 8192): as few micro-batches as fit, rows balanced by workload. STARE's official "
+        "scope selects per such micro-batch. None: micro_batch_size responses per micro-batch.")
     ppo_epochs: int = Field(1, ge=1, description="Passes over each training batch.")
     total_steps: int = Field(500, ge=1, description="Training steps.")
     seed: int = Field(1, ge=0, description="Seed for data order, sampling and init.")
@@ -133,10 +150,11 @@ class StareConfig(_Strict):
     alpha: float = Field(0.01, ge=0, description="Adaptive step size.")
     w_max: float = Field(1.5, ge=1, description="Upper bound for adaptive W.")
     m_min: float = Field(0.5, gt=0, le=1, description="Lower bound for adaptive M.")
-    scope: Literal["batch", "micro_batch"] = Field(
-        "batch",
-        description="Select L+/L- over the whole training batch once ('batch') or per loss call "
-        "('micro_batch', as the official code does).",
+    scope: Literal["official", "batch"] = Field(
+        "official",
+        description="'official': select L+/L- inside each loss call (one micro-batch, see optim.micro_batch_tokens) on "
+        "the current policy's log-probs, as the official code; 'batch': once over the whole training batch on the "
+        "rollout's log-probs.",
     )
 
     @model_validator(mode="after")
@@ -176,7 +194,8 @@ class EntroAdvConfig(_Strict):
 
 
 class MethodConfig(_Strict):
-    name: str = Field("grpo-ds", description="Registered method; see `stare methods`.")
+    name: str = Field("grpo-ds", min_length=1, description="Registered method; see `stare methods` (checked by the "
+                      "method layer, which owns the registry).")
     adv_estimator: Literal["grpo", "drgrpo"] = Field("grpo", description="GRPO (std-normalised) or Dr.GRPO (no std).")
     adv_eps: float = Field(1e-6, gt=0, description="eps in (r - mean) / (std + eps).")
     clip_low: float = Field(0.2, gt=0, lt=1, description="PPO clip below 1 (epsilon_low).")
@@ -196,24 +215,24 @@ class MethodConfig(_Strict):
     top_entropy_frac: float = Field(0.2, gt=0, le=1, description="80/20: share of highest-entropy tokens trained.")
     w_reinforce_lambda: float = Field(0.1, ge=0, description="W-REINFORCE weight of positive samples.")
 
-    @field_validator("name")
-    @classmethod
-    def _known(cls, v: str) -> str:
-        from baselines.registry import check_method
-        from stare_cli.errors import StareError
 
-        try:
-            check_method(v)
-        except StareError as e:
-            raise ValueError(str(e)) from None
-        return v
+class RewardConfig(_Strict):
+    fn: Literal["math-verify", "stare-official", "stare-official-3way"] = Field(
+        "math-verify", description="Training reward: 'math-verify' (our grader on the final \\boxed{}, 1/0); "
+        "'stare-official' (the official STARE accuracy as its reward loop ran it: mathruler on the official answer "
+        "extraction); 'stare-official-3way' (the official accuracy as written: math-verify twice or mathruler). "
+        "Dynamic sampling filters on this accuracy.")
+    format_penalty: bool = Field(
+        False, description="Reward -1 when the official format check fails (the official code's `score` field; its "
+        "reward managers train on the accuracy instead, so the paper recipes leave this off).")
+    timeout_s: int = Field(5, ge=1, le=60, description="Time limit of each math-verify parse/verify call, in seconds.")
 
 
 class EvalConfig(_Strict):
     benchmarks: list[str] = Field(default_factory=list, description="Benchmarks evaluated during training.")
     n: Optional[int] = Field(None, ge=1, description="Samples per problem (None: each benchmark's paper protocol).")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature (paper: 1.0).")
-    top_p: float = Field(0.7, gt=0, le=1, description="Nucleus mass (paper: 0.7).")
+    temperature: Optional[float] = Field(None, gt=0, description="Sampling temperature (None: each benchmark's protocol; paper 1.0).")
+    top_p: Optional[float] = Field(None, gt=0, le=1, description="Nucleus mass (None: each benchmark's protocol; paper 0.7).")
     max_tokens: Optional[int] = Field(None, ge=1, description="Max new tokens (None: rollout.max_response_tokens).")
     every: int = Field(0, ge=0, description="Evaluate every k steps (0: only at the end).")
     limit: Optional[int] = Field(None, ge=1, description="Evaluate only the first K problems of each benchmark.")
@@ -279,6 +298,7 @@ class Recipe(_Strict):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     method: MethodConfig = Field(default_factory=MethodConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     backend: BackendConfig = Field(default_factory=BackendConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
@@ -286,7 +306,8 @@ class Recipe(_Strict):
 
     @model_validator(mode="after")
     def _cross(self) -> "Recipe":
-        if self.method.dynamic_sampling and self.rollout.gen_batch_size < self.optim.train_batch_size:
+        if (self.method.dynamic_sampling and self.rollout.refill == "gen_batches"
+                and self.rollout.gen_batch_size < self.optim.train_batch_size):
             # Dynamic sampling can only fill a train batch from draws at least as large.
             raise ValueError(
                 f"rollout.gen_batch_size ({self.rollout.gen_batch_size}) must be >= "
@@ -297,6 +318,12 @@ class Recipe(_Strict):
             raise ValueError(
                 f"optim.micro_batch_size ({self.optim.micro_batch_size}) must divide the responses of a "
                 f"mini-batch (optim.mini_batch_size x rollout.n = {n_resp})"
+            )
+        row_max = self.rollout.max_prompt_tokens + self.rollout.max_response_tokens
+        if self.optim.micro_batch_tokens is not None and self.optim.micro_batch_tokens < row_max:
+            raise ValueError(
+                f"optim.micro_batch_tokens ({self.optim.micro_batch_tokens}) must hold the longest row: "
+                f"rollout.max_prompt_tokens + rollout.max_response_tokens = {row_max}"
             )
         if self.method.overlong.enable and self.method.overlong.buffer > self.rollout.max_response_tokens:
             raise ValueError(

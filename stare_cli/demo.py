@@ -57,7 +57,7 @@ def run_demo(out: Path, steps: Optional[int] = None, seed: int = 1, methods=DEMO
     from rich.table import Table
 
     from stare_cli.plots import plot_dynamics
-    from stare_cli.recipes import load_recipe
+    from stare_cli.method_layer import load_recipe
     from stare_cli.toy import ensure_toy_model
 
     err = Console(stderr=True)

@@ -1,8 +1,11 @@
 """Recipe files: find, include, override, validate, with errors that name file, line and key.
 
 Resolution order (later wins): included files (depth first) < the recipe file < the method's own
-defaults from the registry (what makes `grpo` differ from `grpo-ds`) < `-o key.path=value`.
-A key's origin is remembered so an error can point at the file and line that set it.
+defaults (what makes `grpo` differ from `grpo-ds`) < `-o key.path=value`. A key's origin is
+remembered so an error can point at the file and line that set it.
+
+This module knows the schema, not the methods: `compose_recipe` takes the method's defaults through
+a callable. `stare_cli.method_layer.load_recipe` passes the registry's; use that one.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import re
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -233,17 +236,17 @@ def _format_error(err: dict, layered: Layered, source: str) -> str:
     return f"{where}: {dotted}: {msg}{got_txt}"
 
 
-def load_recipe(
-    name_or_path: str | None = None,
-    method: str | None = None,
-    overrides: list[str] | None = None,
+def compose_recipe(
+    name_or_path: str | None,
+    method: str | None,
+    overrides: list[str] | None,
+    method_defaults: Callable[[str], dict[str, Any]],
 ) -> Recipe:
-    """Resolve a recipe (name or path), apply the method's defaults and `-o` overrides, validate.
+    """Resolve a recipe (name or path), apply `method_defaults(method name)` (dotted keys; raises
+    StareError for an unknown method) and `-o` overrides, validate.
 
     Raises StareError with a one-line located message on any problem.
     """
-    from baselines.registry import check_method, method_defaults
-
     layered = Layered()
     source = "<defaults>"
     name = "custom"
@@ -257,16 +260,15 @@ def load_recipe(
             name = path.stem
     layered.data.setdefault("name", name)
     if method is not None:
-        check_method(method)
+        method_defaults(method)  # an unknown --method fails before anything else
         _merge(layered, {"method": {"name": method}}, lambda key: Origin(f"--method {method}"))
     chosen = (layered.data.get("method") or {}).get("name", Recipe.model_fields["method"].default_factory().name)
     if isinstance(chosen, str):
         try:
-            check_method(chosen)
+            defaults = method_defaults(chosen)
         except StareError as e:
             where = layered.origins.get(("method", "name"), Origin(source))
             raise StareError(f"{where}: method.name: {e}") from None
-        defaults = method_defaults(chosen)
         _merge(layered, _nest(defaults), lambda key: Origin(f"method '{chosen}' default"))
     for text in overrides or []:
         key, value = parse_override(text)

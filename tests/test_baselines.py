@@ -23,9 +23,9 @@ from baselines import (
     w_reinforce_advantage,
 )
 from baselines.losses import gspo_token_losses, kl_cov_loss, ppo_clip_token_losses
-from baselines.registry import METHODS, check_method, policy_loss
-from stare_cli.config import MethodConfig
+from baselines.registry import METHODS, UnknownMethodError, lookup_method
 from stare_cli.errors import StareError
+from stare_cli.method_layer import LossInputs, MethodLayer, check_method, load_recipe
 
 
 # ------------------------------------------------------------------------------------ advantages
@@ -57,10 +57,13 @@ def test_overlong_penalty_hand_computed():
     assert_close(overlong_penalty(torch.tensor([20]), 20, 5, factor=0.5), torch.tensor([-0.5]))
 
 
-def test_dynamic_sampling_keeps_varied_groups_only():
-    keep, dropped = dynamic_sampling_keep(torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0]), torch.tensor([0, 0, 1, 1, 2]))
-    assert keep.tolist() == [True, True, False, False, False]
-    assert dropped == 2  # group 1 (all 1) and group 2 (a group of one)
+def test_dynamic_sampling_drops_all_equal_groups_and_keeps_single_responses():
+    keep, dropped = dynamic_sampling_keep(torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0]),
+                                          torch.tensor([0, 0, 1, 1, 2, 3, 3]))
+    # group 0 varies (kept); group 1 all 1 and group 3 all 0 (dropped); group 2 has one response: kept,
+    # as the official trainer (std > 0 or len == 1) and verl's replay buffer (len > 1 and std == 0) do
+    assert keep.tolist() == [True, True, False, False, True, False, False]
+    assert dropped == 2
 
 
 def test_w_reinforce_advantage():
@@ -218,6 +221,53 @@ def test_stare_gate_off_gives_ones():
     assert stare_token_weights(adv, olp, mask, P=0.2, gate=torch.tensor(True)).max() == pytest.approx(1.1)
 
 
+def test_stare_gate_is_coerced_with_bool():
+    """numpy and integer gates mean what bool() says: np.bool_(False) and 0 are off."""
+    import numpy as np
+
+    adv, olp, mask = _case()
+    for off in (np.bool_(False), 0, 0.0, np.int64(0)):
+        assert torch.equal(stare_token_weights(adv, olp, mask, P=0.2, gate=off), torch.ones(2, 5)), off
+    for on in (np.bool_(True), 1, np.int64(1)):
+        assert stare_token_weights(adv, olp, mask, P=0.2, gate=on).max() == pytest.approx(1.1), on
+
+
+def test_controller_takes_numpy_and_tensor_entropies():
+    import numpy as np
+
+    c = StareController(h_tgt=0.3)
+    assert c.update(np.float32(0.1)) is True and c.update(torch.tensor(0.5)) is False
+    assert isinstance(c.gate, bool) and c.steps == 2
+
+
+@pytest.mark.parametrize("P", [-0.1, 1.5, float("nan")])
+def test_stare_p_outside_unit_interval_is_rejected(P):
+    adv, olp, mask = _case()
+    with pytest.raises(ValueError, match=r"P must be in \[0, 1\]"):
+        stare_token_weights(adv, olp, mask, P=P)
+    with pytest.raises(ValueError, match=r"P must be in"):
+        StareController(P=P)
+
+
+def test_stare_variant_is_case_insensitive():
+    adv, olp, mask = _case()
+    assert torch.equal(stare_token_weights(adv, olp, mask, P=0.2, variant="C2"),
+                       stare_token_weights(adv, olp, mask, P=0.2, variant="c2"))
+    assert StareController(variant="O1").variant == "o1"
+    with pytest.raises(ValueError, match="unknown STARE variant"):
+        stare_token_weights(adv, olp, mask, variant="o2")
+
+
+def test_stare_count_is_the_official_formula():
+    """k = min(n, max(1, int(n P + 0.999999))): 0.1 * 30 -> 3 (float noise forgiven); a fraction above
+    1e-6 rounds up (P 0.5, n 3 -> 2); one at or below it rounds down, as in the official code
+    (P = 0.3333334, n 3: 1.0000002 + 0.999999 -> 1)."""
+    from baselines.stare import _k
+
+    assert _k(0.1, 30) == 3 and _k(0.5, 3) == 2 and _k(0.01, 5) == 1 and _k(1.0, 7) == 7 and _k(0.0, 7) == 0
+    assert _k(0.3333334, 3) == 1
+
+
 def test_stare_bf16_matches_fp32():
     g = torch.Generator().manual_seed(1)
     adv = torch.randn(8, 64, generator=g)
@@ -327,6 +377,10 @@ def test_registry_names_and_did_you_mean():
     ]
     with pytest.raises(StareError, match=r"did you mean 'stare-c2'"):
         check_method("stare-c3")
+    with pytest.raises(UnknownMethodError, match=r"did you mean 'grpo-ds'"):
+        lookup_method("grpo-dz")
+    assert lookup_method("STARE-O1") is METHODS["stare-o1"]  # names are case-insensitive
+    assert load_recipe("tiny/arith", "GRPO-DS").method.name == "grpo-ds"  # and stored canonical
     assert METHODS["dapo"].defaults["method.overlong.enable"] is True
     assert METHODS["grpo-ds"].defaults["method.dynamic_sampling"] is True
     assert METHODS["grpo"].defaults["method.dynamic_sampling"] is False
@@ -334,22 +388,15 @@ def test_registry_names_and_did_you_mean():
 
 @pytest.mark.parametrize("name", list(METHODS))
 def test_every_method_loss_is_finite_and_differentiable(name):
-    spec = METHODS[name]
-    cfg = MethodConfig(name=name)
-    for k, v in spec.defaults.items():
-        if k.startswith("method."):
-            obj, *path = k.split(".")[1:]
-            target = cfg
-            for p in [obj, *path][:-1]:
-                target = getattr(target, p)
-            setattr(target, [obj, *path][-1], v)
+    from stare_cli.method_layer import StareState
+
+    layer = MethodLayer.from_recipe(load_recipe(None, name))
     new, old, adv, mask = _batch(4, dtype=torch.float32)
     new.requires_grad_(True)
     ent = torch.rand_like(new, requires_grad=True)
-    loss, stats = policy_loss(
-        spec, cfg, log_prob=new, old_log_prob=old, adv=adv, mask=mask, entropy=ent,
-        generator=torch.Generator().manual_seed(0),
-    )
+    loss, stats = layer.loss(LossInputs(log_prob=new, old_log_prob=old, advantages=adv, mask=mask, agg=Agg(),
+                                        entropy=ent, stare=StareState(True, 1.1, 0.9),
+                                        generator=torch.Generator().manual_seed(0)))
     loss.backward()
     assert torch.isfinite(loss) and new.grad is not None and torch.isfinite(new.grad).all()
     assert new.grad.abs().sum() > 0

@@ -125,14 +125,33 @@ def test_resume_requires_a_run_directory(cli, tmp_path):
     assert code == 1 and "not a run directory" in err
 
 
-def test_stare_micro_batch_scope_trains(cli, tmp_path, quick_toy):
-    """The official code's selection scope: L+ / L- chosen per loss call."""
+@pytest.mark.parametrize("scope", ["official", "batch"])
+def test_stare_scopes_train(cli, tmp_path, quick_toy, scope):
+    """official: L+ / L- chosen inside each loss call, on token-budget micro-batches (150 tokens: several
+    per mini-batch); batch: once over the training batch. Both log the gate and the selected shares."""
     run = _train(cli, tmp_path, quick_toy, "stare-c2", "optim.total_steps=2", "method.dynamic_sampling=false",
-                 "method.stare.scope=micro_batch")
+                 f"method.stare.scope={scope}", "optim.micro_batch_tokens=150")
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert all(r["stare/gate"] == 1.0 for r in rows)
-    assert "stare/sel_pos" not in rows[0]  # batch-scope shares are not computed in this scope
+    assert all(r["stare/gate"] == 1.0 and r["stare/sel_pos"] > 0 and r["stare/sel_neg"] > 0 for r in rows)
+    assert all(r["micro_batches"] > 2 for r in rows)  # 16 responses of up to 32 + 40 tokens
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
+
+
+def test_per_group_refill_fills_the_batch_one_prompt_per_missing_group(cli, tmp_path, quick_toy):
+    run = _train(cli, tmp_path, quick_toy, "grpo-ds", "optim.total_steps=2", "rollout.refill=per_group")
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["train_groups"] == 4 for r in rows)  # always full (no cap)
+    assert sum(r["groups_dropped"] for r in rows) > 0 and any(r["gen_batches"] > 1 for r in rows)
+
+
+def test_short_batch_stops_with_a_clear_error_as_the_official_trainer(cli, tmp_path, quick_toy):
+    """One-token responses never finish: every group scores 0 and is dropped; after max_gen_batches
+    draws the official trainer raises, and so do we under on_short_batch: error."""
+    code, out, err = cli("train", "--recipe", "tiny/arith", "--method", "grpo-ds", "--out", str(tmp_path / "runs"),
+                         "-o", f"model.path={quick_toy}", *[x for o in FAST for x in ("-o", o)],
+                         "-o", "rollout.max_response_tokens=1", "-o", "rollout.on_short_batch=error",
+                         "-o", "method.overlong.enable=false")
+    assert code == 1 and "2 generation batches kept 0 groups" in err and "on_short_batch=train" in err
 
 
 def test_hf_engine_stops_at_tool_blocks_and_masks_observations(quick_toy, monkeypatch):
@@ -174,7 +193,7 @@ def test_bf16_autocast_trains_on_cpu(cli, tmp_path, quick_toy):
 def test_fp16_needs_cuda(cli, tmp_path, quick_toy):
     code, _, err = cli("train", "--recipe", "tiny/arith", "-o", f"model.path={quick_toy}", "-o", "optim.precision=fp16",
                        "-o", "backend.embedded.device=cpu", "--out", str(tmp_path))
-    assert code == 1 and "fp16 needs a CUDA device" in err
+    assert code == 1 and err.startswith("error: optim.precision: the embedded backend cannot honour") and "CUDA" in err
 
 
 def test_vllm_rollout_gets_the_trained_weights_before_every_step(cli, tmp_path, quick_toy, monkeypatch):

@@ -155,6 +155,26 @@ def test_eval_end_to_end_writes_both_files(cli, tmp_path, tiny_model):
     assert {"prompt", "response", "extracted", "correct", "reason"} <= set(samples[0])
 
 
+def test_eval_grader_is_recorded_and_a_new_grader_regrades_without_generating(cli, tmp_path, tiny_model):
+    data = tmp_path / "m.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"What is {i}?", "answer": str(i)}) + "\n" for i in range(3)))
+    args = ["eval", "--bench", "math500", "--model", str(tiny_model), "-n", "2", "--out", str(tmp_path / "ev"),
+            "--max-tokens", "8", "--data-file", str(data), "--engine", "hf", "--workers", "0"]
+    assert cli(*args)[0] == 0
+    f = tmp_path / "ev" / "math500" / "samples.jsonl"
+    first = [json.loads(x) for x in f.read_text().splitlines()]
+    assert {r["grader"] for r in first} == {"math-verify@2"}
+    code, out, err = cli(*args, "--grader", "stare-official")
+    assert code == 0, err
+    again = [json.loads(x) for x in f.read_text().splitlines()]
+    assert [r["response"] for r in again] == [r["response"] for r in first]  # the same samples, not new ones
+    assert {r["grader"] for r in again} == {"stare-official@1"}
+    res = json.loads((tmp_path / "ev" / "math500" / "results.json").read_text())
+    assert res["grader"] == "stare-official@1"
+    code, _, err = cli(*args, "--grader", "nope")
+    assert code == 1 and "unknown grader 'nope'" in err
+
+
 def test_eval_killed_midway_resumes_to_the_same_results(cli, tmp_path, tiny_model):
     ref_out, out = tmp_path / "ref", tmp_path / "killed"
     args = _eval_args(tiny_model, ref_out, limit=24, n=2)

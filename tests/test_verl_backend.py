@@ -1,6 +1,7 @@
-"""The verl backend without GPUs: generated overrides compose into verl's full config offline and
-pass verl's validate_config for every scenario x method; the paper's algorithmic keys match the
-official Short-CoT scripts; the driver-side transforms; dry-run, job script and data preparation."""
+"""The verl backend without GPUs: one translation table covers every recipe key, each translated key
+reaches verl's composed config (key by key), refused values fail validation by name, every scenario x
+method composes and passes verl's validate_config, the driver step of the method layer, dry-run and job
+script, data preparation, the reward manager and the tool config."""
 
 from __future__ import annotations
 
@@ -13,52 +14,25 @@ from torch.testing import assert_close
 
 from baselines.registry import METHODS
 from conftest import BENCH_DATA
-from stare_cli.backends.verl_backend import compose, method_payload, verl_overrides
-from stare_cli.backends.verl_ext import make_controller, transform_advantages
-from stare_cli.recipes import load_recipe
+from stare_cli.backends.verl_backend import TABLE, compose, refusals, verl_overrides
+from stare_cli.backends.verl_ext import driver_step
+from stare_cli.config import Recipe
+from stare_cli.method_layer import MethodLayer, load_recipe
 
 SCENARIOS = ["short-cot/qwen2.5-math-7b", "short-cot/qwen2.5-14b-instruct", "short-cot/qwen2.5-32b",
              "long-cot/r1-distill-qwen-1.5b", "long-cot/qwen3-8b", "tool-use/qwen2.5-7b"]
+PER_GROUP = ["rollout.refill=per_group"]  # verl 0.9's V1 trainer refills per dropped group
 
 
-@pytest.mark.parametrize("scenario", SCENARIOS)
-def test_every_scenario_and_method_composes_and_validates(scenario, capsys):
-    for method in METHODS:
-        cfg = load_recipe(scenario, method)
-        conf = compose(verl_overrides(cfg))
-        assert conf.actor_rollout_ref.rollout.n == cfg.rollout.n
-    assert "All configuration checks passed" in capsys.readouterr().out
+def _leaves(model, prefix=()):
+    from pydantic import BaseModel
 
-
-# The official Short-CoT Qwen2.5-Math-7B scripts (../shared/paper/README.md), key by key.
-OFFICIAL = {
-    "algorithm.adv_estimator": "grpo",
-    "algorithm.norm_adv_by_std_in_grpo": True,
-    "algorithm.use_kl_in_reward": False,
-    "algorithm.filter_groups.enable": True,
-    "algorithm.filter_groups.max_num_gen_batches": 10,
-    "actor_rollout_ref.actor.clip_ratio_low": 0.2,
-    "actor_rollout_ref.actor.clip_ratio_high": 0.28,
-    "actor_rollout_ref.actor.clip_ratio_c": 10.0,
-    "actor_rollout_ref.actor.loss_agg_mode": "token-mean",
-    "actor_rollout_ref.actor.optim.lr": 1e-6,
-    "actor_rollout_ref.actor.grad_clip": 1.0,
-    "actor_rollout_ref.actor.entropy_coeff": 0,
-    "actor_rollout_ref.actor.use_kl_loss": False,
-    "actor_rollout_ref.actor.ppo_mini_batch_size": 64,
-    "actor_rollout_ref.actor.ppo_epochs": 1,
-    "actor_rollout_ref.actor.policy_loss.loss_mode": "vanilla",
-    "data.train_batch_size": 64,
-    "data.gen_batch_size": 192,
-    "data.max_prompt_length": 1024,
-    "data.max_response_length": 3072,
-    "actor_rollout_ref.rollout.n": 8,
-    "actor_rollout_ref.rollout.temperature": 1.0,
-    "actor_rollout_ref.rollout.top_p": 1.0,
-    "actor_rollout_ref.rollout.val_kwargs.temperature": 1.0,
-    "actor_rollout_ref.rollout.val_kwargs.top_p": 0.7,
-    "actor_rollout_ref.rollout.val_kwargs.n": 32,
-}
+    for name, f in model.model_fields.items():
+        a = f.annotation
+        if isinstance(a, type) and issubclass(a, BaseModel):
+            yield from _leaves(a, (*prefix, name))
+        else:
+            yield ".".join((*prefix, name))
 
 
 def _get(conf, dotted):
@@ -68,84 +42,200 @@ def _get(conf, dotted):
     return node
 
 
-@pytest.mark.parametrize("method", ["stare-o1", "grpo-ds"])
-def test_official_algorithmic_keys(method):
-    cfg = load_recipe("short-cot/qwen2.5-math-7b", method)
-    conf = compose(verl_overrides(cfg))
-    for key, want in OFFICIAL.items():
+def test_table_covers_every_recipe_key_exactly_once():
+    keys = [k for row in TABLE for k in row.keys]
+    assert sorted(keys) == sorted(_leaves(Recipe)), set(keys) ^ set(_leaves(Recipe))
+    assert len(keys) == len(set(keys))
+    assert {row.kind for row in TABLE} <= {"verl", "layer", "data", "meta", "other"}
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_every_scenario_and_method_composes_or_is_refused_by_name(scenario, capsys):
+    expected = {"long-cot/r1-distill-qwen-1.5b": "data.template", "tool-use/qwen2.5-7b": "rollout.tools.format"}
+    for method in METHODS:
+        cfg = load_recipe(scenario, method, PER_GROUP)
+        refused = [k for k, _ in refusals(cfg)]
+        if scenario in expected:
+            assert refused == [expected[scenario]]
+            continue
+        assert refused == []
+        conf = compose(verl_overrides(cfg))
+        assert conf.actor_rollout_ref.rollout.n == cfg.rollout.n
+        assert conf.actor_rollout_ref.actor.policy_loss.loss_mode == "stare_layer"
+        assert conf.stare.recipe.method.name == method  # the method layer's recipe travels in verl's config
+    assert scenario in expected or "All configuration checks passed" in capsys.readouterr().out
+
+
+# Every translated key, one override at a time: the value reaches the verl key verl reads (composed).
+PROBES = [
+    ("model.path=/models/m", {"actor_rollout_ref.model.path": "/models/m"}),
+    ("model.dtype=float16", {"actor_rollout_ref.rollout.dtype": "float16"}),
+    ("model.trust_remote_code=true", {"actor_rollout_ref.model.trust_remote_code": True, "data.trust_remote_code": True}),
+    ("data.template=raw", {"actor_rollout_ref.model.custom_chat_template": "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"}),
+    ("model.chat_template=none", {"actor_rollout_ref.model.custom_chat_template": "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"}),
+    ("data.shuffle=false", {"data.shuffle": False}),
+    ("rollout.n=5", {"actor_rollout_ref.rollout.n": 5}),
+    ("rollout.temperature=0.6", {"actor_rollout_ref.rollout.temperature": 0.6}),
+    ("rollout.top_p=0.9", {"actor_rollout_ref.rollout.top_p": 0.9}),
+    ("rollout.top_k=20", {"actor_rollout_ref.rollout.top_k": 20}),
+    ("rollout.max_prompt_tokens=512", {"data.max_prompt_length": 512, "data.truncation": "left"}),
+    ("rollout.max_response_tokens=2048", {"data.max_response_length": 2048}),
+    ("method.dynamic_sampling=false", {"algorithm.filter_groups.enable": False, "data.gen_batch_size": 64}),
+    ("optim.lr=3e-6", {"actor_rollout_ref.actor.optim.lr": 3e-6}),
+    ("optim.schedule=cosine", {"actor_rollout_ref.actor.optim.lr_scheduler_type": "cosine"}),
+    ("optim.warmup_steps=7", {"actor_rollout_ref.actor.optim.lr_warmup_steps": 7}),
+    ("optim.weight_decay=0.1", {"actor_rollout_ref.actor.optim.weight_decay": 0.1}),
+    ("optim.grad_clip=0.5", {"actor_rollout_ref.actor.optim.clip_grad": 0.5}),
+    ("optim.train_batch_size=128", {"data.train_batch_size": 128}),
+    ("optim.mini_batch_size=32", {"actor_rollout_ref.actor.ppo_mini_batch_size": 32}),
+    ("optim.micro_batch_tokens=10000", {"actor_rollout_ref.actor.use_dynamic_bsz": True,
+                                        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 10000}),
+    ("optim.micro_batch_tokens=null", {"actor_rollout_ref.actor.use_dynamic_bsz": False,
+                                       "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 2}),
+    ("optim.ppo_epochs=2", {"actor_rollout_ref.actor.ppo_epochs": 2}),
+    ("optim.total_steps=77", {"trainer.total_training_steps": 77}),
+    ("optim.seed=9", {"data.seed": 9, "actor_rollout_ref.actor.data_loader_seed": 9}),
+    ("optim.precision=bf16", {"actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype": "bf16",
+                              "actor_rollout_ref.actor.fsdp_config.model_dtype": "fp32"}),
+    ("method.adv_estimator=drgrpo", {"algorithm.norm_adv_by_std_in_grpo": False}),
+    ("method.clip_high=0.3", {"actor_rollout_ref.actor.clip_ratio_high": 0.3}),
+    ("method.clip_low=0.1", {"actor_rollout_ref.actor.clip_ratio_low": 0.1}),
+    ("method.dual_clip=5.0", {"actor_rollout_ref.actor.clip_ratio_c": 5.0}),
+    ("method.loss_agg=seq-mean-token-mean", {"actor_rollout_ref.actor.loss_agg_mode": "seq-mean-token-mean"}),
+    ("method.entropy_coef=0.01", {"actor_rollout_ref.actor.entropy_coeff": 0.0,
+                                  "actor_rollout_ref.actor.calculate_entropy": True}),
+    ("eval.every=5", {"trainer.test_freq": 5}),
+    ("eval.n=8", {"actor_rollout_ref.rollout.val_kwargs.n": 8}),
+    ("eval.temperature=0.8", {"actor_rollout_ref.rollout.val_kwargs.temperature": 0.8}),
+    ("eval.top_p=0.95", {"actor_rollout_ref.rollout.val_kwargs.top_p": 0.95}),
+    ("backend.verl.nnodes=3", {"trainer.nnodes": 3}),
+    ("backend.verl.n_gpus_per_node=4", {"trainer.n_gpus_per_node": 4}),
+    ("backend.verl.tensor_parallel_size=2", {"actor_rollout_ref.rollout.tensor_model_parallel_size": 2}),
+    ("backend.verl.gpu_memory_utilization=0.5", {"actor_rollout_ref.rollout.gpu_memory_utilization": 0.5}),
+    ("logging.wandb=disabled", {"trainer.logger": ["console"]}),
+    ("logging.project=p2", {"trainer.project_name": "p2"}),
+    ("logging.run_name=r2", {"trainer.experiment_name": "r2"}),
+    ("checkpoint.every=3", {"trainer.save_freq": 3}),
+    ("checkpoint.keep_last=5", {"trainer.max_actor_ckpt_to_keep": 5}),
+    ('backend.verl.extra_overrides=["trainer.balance_batch=False"]', {"trainer.balance_batch": False}),
+]
+
+
+@pytest.mark.parametrize("override,expect", PROBES, ids=[p[0] for p in PROBES])
+def test_each_translated_key_reaches_verls_config(override, expect):
+    base = compose(verl_overrides(load_recipe("short-cot/qwen2.5-math-7b", "stare-o1", PER_GROUP)))
+    conf = compose(verl_overrides(load_recipe("short-cot/qwen2.5-math-7b", "stare-o1", [*PER_GROUP, override])))
+    for key, want in expect.items():
         got = _get(conf, key)
-        assert got == pytest.approx(want) if isinstance(want, float) else got == want, (key, got, want)
-    payload = method_payload(cfg)
-    if method == "stare-o1":
-        assert payload["stare"] == "o1"
-        s = payload["stare_cfg"]
-        assert (s["P"], s["W"], s["M"], s["h_tgt"], s["adaptive"]) == (0.1, 1.1, 0.9, 0.3, False)
-        assert (s["alpha"], s["w_max"], s["m_min"]) == (0.01, 1.5, 0.5)
-    else:
-        assert payload["stare"] is None
+        got = list(got) if hasattr(got, "__iter__") and not isinstance(got, str) else got
+        assert got == (pytest.approx(want) if isinstance(want, float) else want), (key, got)
+    changed = [k for k in expect if _get(base, k) != _get(conf, k)]
+    assert changed, f"{override} changed none of {list(expect)}: the probe must not test a default"
 
 
-def test_verl_native_methods_map_to_verl_losses():
-    conf = compose(verl_overrides(load_recipe("short-cot/qwen2.5-math-7b", "kl-cov")))
-    assert conf.actor_rollout_ref.actor.policy_loss.loss_mode == "kl_cov"
-    assert conf.actor_rollout_ref.actor.policy_loss.kl_cov_ratio == pytest.approx(0.002)
-    assert conf.actor_rollout_ref.actor.policy_loss.ppo_kl_coef == pytest.approx(1.0)
-    conf = compose(verl_overrides(load_recipe("short-cot/qwen2.5-math-7b", "dapo")))
-    assert conf.reward.reward_manager.name == "dapo"
-    assert conf.reward.reward_kwargs.overlong_buffer_cfg.len == 512
-    conf = compose(verl_overrides(load_recipe("short-cot/qwen2.5-math-7b", "grpo")))
-    assert conf.algorithm.filter_groups.enable is False and conf.data.gen_batch_size == 64
+@pytest.mark.parametrize("override,key", [
+    ("rollout.refill=gen_batches", "rollout.refill"),
+    ("rollout.truncated=mask", "rollout.truncated"),
+    ("optim.schedule=linear", "optim.schedule"),
+    ("data.template=r1", "data.template"),
+    ("rollout.engine=hf", "rollout.engine"),
+    ("rollout.vllm_gpu_memory_utilization=0.5", "rollout.vllm_gpu_memory_utilization"),
+    ("eval.max_tokens=100", "eval.max_tokens"),
+    ("eval.n=null", "eval.n"),
+])
+def test_values_verl_cannot_honour_fail_validation_by_name(cli, override, key):
+    extra = ["-o", "eval.benchmarks=[aime24,math500]"] if key == "eval.n" else []
+    code, out, err = cli("recipes", "validate", "short-cot/qwen2.5-math-7b", "--backend", "verl",
+                         "-o", "rollout.refill=per_group", "-o", override, *extra)
+    assert code == 1 and f"{key}: " in err, err
+    code, out, err = cli("train", "-r", "short-cot/qwen2.5-math-7b", "-m", "stare-o1", "--backend", "verl", "--dry-run",
+                         "-o", "rollout.refill=per_group", "-o", override, *extra)
+    assert code == 1 and err.startswith(f"error: {key}: the verl backend cannot honour") and len(err.splitlines()) == 1
 
 
-def test_driver_transforms():
-    adv = torch.tensor([[1.0, 1.0, 1.0, 0.0], [-1.0, -1.0, -1.0, -1.0]])
-    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
-    old = -torch.tensor([[0.1, 3.0, 0.2, 9.0], [5.0, 0.1, 0.1, 0.1]])
-    ent = torch.tensor([[0.5, 2.0, 0.1, 9.0], [0.2, 0.3, 0.4, 3.0]])
-    rewards = torch.tensor([[0, 0, 0, 1.0], [0, 0, 0, 0.0]])
-    cfg = load_recipe("short-cot/qwen2.5-math-7b", "stare-c2", ["method.stare.P=0.34"])
-    payload = method_payload(cfg)
-    ctl = make_controller(payload)
-    ctl.update(0.1)  # H < 0.3: gate on
-    out, m = transform_advantages(payload, ctl, adv, mask, old, ent, rewards)
-    # T+ = 3 tokens, k = ceil(0.34 * 3) = 2: surprisal 3.0 and 0.2 get W; T- = 4 tokens, k = 2: 5.0 and the first 0.1
-    assert_close(out, torch.tensor([[1.0, 1.1, 1.1, 0.0], [-0.9, -0.9, -1.0, -1.0]]))
-    assert m["stare/gate"] == 1.0
-    ctl.update(0.9)
-    out, _ = transform_advantages(payload, ctl, adv, mask, old, ent, rewards)
-    assert torch.equal(out, adv)  # gate off: plain GRPO
-    w = method_payload(load_recipe("short-cot/qwen2.5-math-7b", "w-reinforce"))
-    out, _ = transform_advantages(w, None, adv, mask, old, ent, rewards)
-    assert_close(out, torch.tensor([[0.1, 0.1, 0.1, 0.0], [-1.0, -1.0, -1.0, -1.0]]))
-    top = method_payload(load_recipe("short-cot/qwen2.5-math-7b", "80-20", ["method.top_entropy_frac=0.25"]))
-    out, _ = transform_advantages(top, None, adv, mask, old, ent, rewards)
-    # 7 valid tokens, round(0.25 * 7) = 2 highest entropies: 2.0 (row 0) and 3.0 (row 1)
-    assert_close(out, torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, -1.0]]))
+def test_verl_keys_mirror_the_official_short_cot_values():
+    """The paper's algorithmic values reach verl's config (the official scripts' keys, ../shared/paper)."""
+    conf = compose(verl_overrides(load_recipe("short-cot/qwen2.5-math-7b", "stare-o1", PER_GROUP)))
+    official = {
+        "algorithm.adv_estimator": "grpo", "algorithm.norm_adv_by_std_in_grpo": True,
+        "algorithm.use_kl_in_reward": False, "algorithm.filter_groups.enable": True,
+        "algorithm.filter_groups.metric": "acc", "actor_rollout_ref.actor.clip_ratio_low": 0.2,
+        "actor_rollout_ref.actor.clip_ratio_high": 0.28, "actor_rollout_ref.actor.clip_ratio_c": 10.0,
+        "actor_rollout_ref.actor.loss_agg_mode": "token-mean", "actor_rollout_ref.actor.optim.lr": 1e-6,
+        "actor_rollout_ref.actor.optim.clip_grad": 1.0, "actor_rollout_ref.actor.entropy_coeff": 0,
+        "actor_rollout_ref.actor.use_kl_loss": False, "actor_rollout_ref.actor.ppo_mini_batch_size": 64,
+        "actor_rollout_ref.actor.ppo_epochs": 1, "actor_rollout_ref.actor.use_dynamic_bsz": True,
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 8192, "data.train_batch_size": 64,
+        "data.max_prompt_length": 1024, "data.max_response_length": 3072, "data.truncation": "left",
+        "actor_rollout_ref.rollout.n": 8, "actor_rollout_ref.rollout.temperature": 1.0,
+        "actor_rollout_ref.rollout.top_p": 1.0, "actor_rollout_ref.rollout.val_kwargs.temperature": 1.0,
+        "actor_rollout_ref.rollout.val_kwargs.top_p": 0.7, "actor_rollout_ref.rollout.val_kwargs.n": 32,
+        "trainer.test_freq": 10, "trainer.save_freq": 10,
+    }
+    for key, want in official.items():
+        got = _get(conf, key)
+        assert got == (pytest.approx(want) if isinstance(want, float) else want), (key, got, want)
+    layer = MethodLayer.from_recipe(load_recipe(None, None, []).model_validate(dict(conf.stare.recipe)))
+    s = layer.cfg.stare  # the official stare.* keys reach the method layer rebuilt from verl's config
+    assert (layer.spec.stare, s.P, s.W, s.M, s.h_tgt, s.adaptive, s.scope) == ("o1", 0.1, 1.1, 0.9, 0.3, False, "official")
+    assert (s.alpha, s.w_max, s.m_min) == (0.01, 1.5, 0.5) and layer.recipe.reward.fn == "stare-official"
+
+
+def test_driver_step_runs_the_method_layer():
+    """One batch of two responses (groups 0 and 1, two responses each), hand-computed."""
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
+    old = -torch.tensor([[0.1, 3.0, 0.2, 9.0], [5.0, 0.1, 0.1, 0.1], [1.0, 2.0, 0.0, 0.0], [4.0, 0.0, 0.0, 0.0]])
+    ent = torch.full((4, 4), 0.1)
+    scores = torch.zeros(4, 4)
+    scores[0, 2] = 1.0  # response 0 right, response 1 wrong (group a); group b: both wrong
+    uids = ["a", "a", "b", "b"]
+    cfg = load_recipe("short-cot/qwen2.5-math-7b", "stare-c2", [*PER_GROUP, "method.stare.P=0.34",
+                                                                "method.stare.scope=batch"])
+    layer = MethodLayer.from_recipe(cfg)
+    out = driver_step(layer, cfg.model_dump(mode="json"), uids, scores, mask, old, ent)
+    # GRPO: group a: mean 0.5, unbiased std of [1, 0] = 0.7071 -> A = +-0.5 / 0.7071 = +-0.7071; group b: 0.
+    # Gate on (H = 0.1 < 0.3).
+    # T+ = 3 tokens of row 0, k = int(3 * 0.34 + 0.999999) = 2: surprisal 3.0 and 0.2 get W = 1.1;
+    # T- = 4 tokens of row 1, k = 2: 5.0, then the first of the tied 0.1s (position order).
+    a = 0.5 / (0.70710678 + 1e-6)
+    want = torch.tensor([[a, 1.1 * a, 1.1 * a, 0], [-0.9 * a, -0.9 * a, -a, -a], [0, 0, 0, 0], [0, 0, 0, 0]])
+    assert_close(out.advantages, want)
+    assert out.metrics["stare/gate"] == 1.0 and out.payload["state"] == {"gate": True, "W": 1.1, "M": 0.9}
+    official = MethodLayer.from_recipe(load_recipe("short-cot/qwen2.5-math-7b", "stare-o1", PER_GROUP))
+    out = driver_step(official, {}, uids, scores, mask, old, ent)
+    assert_close(out.advantages[0], torch.tensor([a, a, a, 0.0]))  # official scope: weights come in the loss
+    assert "stare/sel_pos" not in out.metrics
 
 
 def test_dry_run_and_job_script(cli, tmp_path):
     code, out, err = cli("train", "--recipe", "short-cot/qwen2.5-math-7b", "--method", "stare-o1",
-                         "--backend", "verl", "--dry-run")
+                         "--backend", "verl", "--dry-run", "-o", "rollout.refill=per_group")
     assert code == 0, err
     lines = out.strip().splitlines()
+    assert "# stare: variant=o1 scope=official P=0.1 W=1.1 M=0.9 h_tgt=0.3 adaptive=False alpha=0.01 w_max=1.5 m_min=0.5" in lines
+    assert any(line.startswith("# reward: stare-official") for line in lines)
     assert "actor_rollout_ref.actor.clip_ratio_high=0.28" in lines
     assert "actor_rollout_ref.model.external_lib=stare_cli.backends.verl_ext" in lines
+    assert "reward.reward_manager.module.path='pkg://stare_cli.backends.verl_reward'" in lines
+    assert any(line.startswith("+stare.recipe={name:'short-cot/qwen2.5-math-7b'") for line in lines)
     script = tmp_path / "job.sh"
     code, out, err = cli("train", "--recipe", "short-cot/qwen2.5-math-7b", "--method", "stare-o1", "--backend", "verl",
-                         "--emit-script", str(script), "--out", str(tmp_path / "runs"))
+                         "--emit-script", str(script), "--out", str(tmp_path / "runs"), "-o", "rollout.refill=per_group")
     assert code == 0, err
     text = script.read_text()
     assert "ray job submit" in text and "VERL_USE_EXTERNAL_MODULES" in text and "verl.trainer.main_ppo" in text
     env = json.loads(text.split("--runtime-env-json=")[1].split(" -- ")[0].strip("'"))
-    assert json.loads(env["env_vars"]["STARE_VERL_METHOD"])["stare"] == "o1"
+    assert set(env["env_vars"]) == {"VERL_USE_EXTERNAL_MODULES"}  # module names only, no configuration
 
 
 def test_data_prepare_writes_verl_parquet(cli, tmp_path, monkeypatch):
+    if not BENCH_DATA.exists():
+        pytest.skip(f"needs the benchmark files in {BENCH_DATA} (../shared)")
     monkeypatch.setenv("STARE_DATA_DIR", str(BENCH_DATA))
     train = tmp_path / "train.jsonl"
-    train.write_text("".join(json.dumps({"prompt": f"What is {i}+1?", "solution": str(i + 1)}) + "\n" for i in range(5)))
+    train.write_text("".join(json.dumps({"prompt": f"What is {i}+1?", "target": str(i + 1)}) + "\n" for i in range(5)))
     code, out, err = cli("data", "prepare", "--recipe", "short-cot/qwen2.5-math-7b", "--out", str(tmp_path / "d"),
-                         "-o", f"data.train={train}", "--limit", "3")
+                         "-o", f"data.train={train}", "-o", "eval.benchmarks=[minerva]", "--limit", "3")
     assert code == 0, err
     df = pd.read_parquet(tmp_path / "d" / "train.parquet")
     assert len(df) == 3 and df.iloc[0]["reward_model"]["ground_truth"] == "1"
@@ -154,14 +244,46 @@ def test_data_prepare_writes_verl_parquet(cli, tmp_path, monkeypatch):
     assert set(bench["data_source"]) == {"minerva"} and len(bench) == 3
 
 
-def test_reward_function_matches_the_grader():
-    from stare_cli.backends.verl_reward import compute_score
+def _reward_item(tok, response: str, gold: str, max_len: int):
+    import numpy as np
 
-    assert compute_score("aime24", "so \\boxed{\\dfrac12}", "\\frac{1}{2}") == {"score": 1.0, "acc": True}
-    assert compute_score("math500", "so \\boxed{3}", "4")["acc"] is False
+    from verl import DataProto
+
+    ids = tok(response, add_special_tokens=False)["input_ids"][:max_len]
+    prompt = tok("Compute 1+1.\n", add_special_tokens=False)["input_ids"]
+    resp = torch.tensor(ids + [tok.pad_token_id or 0] * (max_len - len(ids)))
+    attn = torch.tensor([1] * len(prompt) + [1] * len(ids) + [0] * (max_len - len(ids)))
+    return DataProto.from_dict({"prompts": torch.tensor([prompt]), "responses": resp[None], "attention_mask": attn[None]},
+                               non_tensors={"reward_model": np.array([{"ground_truth": gold}], dtype=object)})
 
 
-def test_tool_use_recipe_configures_verls_tool_agent_with_our_sandbox(tmp_path):
+def test_reward_manager_is_the_method_layers_score(quick_toy):
+    from omegaconf import OmegaConf
+
+    from benchmarks.engines import load_tokenizer
+    from stare_cli.backends.verl_reward import StareRewardManager
+
+    tok = load_tokenizer(str(quick_toy))
+    cfg = load_recipe("tiny/arith", "grpo-ds", ["reward.fn=stare-official", "reward.format_penalty=true",
+                                                "rollout.truncated=zero"])
+    conf = OmegaConf.create({"stare": {"recipe": cfg.model_dump(mode="json")}, "data": {"max_response_length": 16}})
+    manager = StareRewardManager(conf, tok)
+    try:
+        run = lambda text, gold: manager.loop.run_until_complete(  # noqa: E731
+            manager.run_single(_reward_item(tok, text, gold, 16)))
+        right = run("= \\boxed{2}" + tok.eos_token, "2")
+        assert right["reward_score"] == 1.0 and right["reward_extra_info"] == {"acc": 1.0, "format": 1.0, "official_score": 1.0}
+        wrong = run("= \\boxed{3}" + tok.eos_token, "2")
+        assert wrong["reward_score"] == 0.0 and wrong["reward_extra_info"]["acc"] == 0.0
+        no_format = run("2" + tok.eos_token, "2")  # no box: the format check fails -> -1 (format_penalty)
+        assert no_format["reward_score"] == -1.0 and no_format["reward_extra_info"]["format"] == 0.0
+        cut = run("= \\boxed{2} " + "1 " * 40, "2")  # fills the 16-token budget without EOS: zero under truncated: zero
+        assert cut["reward_score"] == 0.0 and cut["reward_extra_info"]["acc"] == 0.0
+    finally:
+        manager.layer.close()
+
+
+def test_tool_config_loads_through_verls_loader_and_runs_our_sandbox(tmp_path):
     import asyncio
 
     import yaml
@@ -169,11 +291,8 @@ def test_tool_use_recipe_configures_verls_tool_agent_with_our_sandbox(tmp_path):
     from stare_cli.backends.verl_tools import SandboxTool, tool_config
     from verl.tools.tool_registry import initialize_tools_from_config
 
-    cfg = load_recipe("tool-use/qwen2.5-7b", "stare-o1")
-    conf = compose(verl_overrides(cfg, run_dir=tmp_path))
-    mt = conf.actor_rollout_ref.rollout.multi_turn
-    assert mt.enable is True and mt.tool_config_path == str(tmp_path / "tools.yaml") and mt.max_assistant_turns == 5
-    assert conf.actor_rollout_ref.rollout.agent.default_agent_loop == "tool_agent"
+    cfg = load_recipe("tool-use/qwen2.5-7b", "stare-o1", PER_GROUP)
+    assert [k for k, _ in refusals(cfg)] == ["rollout.tools.format"]  # markdown blocks: refused on verl
     t = cfg.rollout.tools
     (tmp_path / "tools.yaml").write_text(yaml.safe_dump(tool_config(t.cpu_s, t.wall_s, t.memory_mb, t.output_bytes)))
     (tool,) = initialize_tools_from_config(str(tmp_path / "tools.yaml"))  # verl's own loader
@@ -191,10 +310,7 @@ def test_tool_use_recipe_configures_verls_tool_agent_with_our_sandbox(tmp_path):
 
 
 def test_cpu_device_overrides_compose_and_validate():
-    from stare_cli.backends.verl_backend import compose, verl_overrides
-    from stare_cli.recipes import load_recipe
-
-    cfg = load_recipe("tiny/arith", "stare-o1", ["backend.verl.device=cpu", "optim.micro_batch_size=16"])
+    cfg = load_recipe("tiny/arith", "stare-o1", ["backend.verl.device=cpu", "optim.micro_batch_size=16", *PER_GROUP])
     ov = verl_overrides(cfg)
     conf = compose(ov)
     assert conf.actor_rollout_ref.rollout.name == "hf" and conf.trainer.device == "cpu"
@@ -202,16 +318,6 @@ def test_cpu_device_overrides_compose_and_validate():
     # the recipe's algorithmic values are untouched by the CPU path
     assert conf.actor_rollout_ref.actor.clip_ratio_high == 0.28 and conf.algorithm.filter_groups.enable is True
     assert sum(o.startswith("trainer.n_gpus_per_node=") for o in ov) == 1
-
-
-def test_stare_micro_batch_scope_is_refused_on_verl():
-    from stare_cli.backends.verl_backend import method_payload
-    from stare_cli.errors import StareError
-    from stare_cli.recipes import load_recipe
-
-    cfg = load_recipe("short-cot/qwen2.5-math-7b", "stare-o1", ["method.stare.scope=micro_batch"])
-    with pytest.raises(StareError, match="scope=micro_batch"):
-        method_payload(cfg)
 
 
 def test_hf_rollout_server_batches_requests_and_takes_weights(quick_toy):

@@ -1,6 +1,8 @@
 """verl's real trainer (main_ppo, V1 trainer, FSDP2, agent-loop rollout, reward loop, TransferQueue)
-end to end on CPU through `stare train --backend verl --device cpu`, with STARE active: 2 steps on
-the tiny toy model, validation before and after, a checkpoint with the controller's state.
+end to end on CPU through `stare train --backend verl --device cpu`, through the method layer: the
+official STARE reward (`reward.fn: stare-official`, our reward manager) and the official selection
+scope (inside verl's loss calls). STARE-O1 and GRPO-ds, 2 steps each on the tiny toy model, validation
+before and after, a checkpoint with the controller's state, and a resumed third step.
 
 What it does not exercise is listed in stare_cli/backends/verl_cpu.py (vLLM, NCCL, multi-GPU)."""
 
@@ -18,24 +20,36 @@ SMALL = [
     f"rollout.n={N}", "rollout.gen_batch_size=4", "rollout.max_gen_batches=4", "optim.train_batch_size=4",
     "optim.mini_batch_size=4", "optim.micro_batch_size=16", "optim.total_steps=2", "eval.limit=8", "eval.n=2",
     "eval.every=2", "checkpoint.every=2", "method.stare.h_tgt=10", f"method.stare.W={W}",
+    "rollout.refill=per_group", "reward.fn=stare-official", "method.stare.scope=official",
     # the rollout server returns its log-probs, so verl compares them with the actor's (weight sync)
     'backend.verl.extra_overrides=["actor_rollout_ref.rollout.calculate_log_probs=True"]',
 ]
 
 
-@pytest.fixture(scope="module")
-def verl_run(tmp_path_factory, quick_toy):
+def _train(tmp, quick_toy, method: str) -> Path:
     from stare_cli.cli import main
 
-    tmp = tmp_path_factory.mktemp("verl_cpu")
     data = tmp / "data"
-    assert main(["data", "prepare", "-r", "tiny/arith", "--out", str(data), "--limit", "64", "-o", "eval.limit=8"]) == 0
-    args = ["train", "-r", "tiny/arith", "--method", "stare-o1", "--backend", "verl", "--device", "cpu",
-            "--data-dir", str(data), "--out", str(tmp / "runs"), "-o", f"model.path={quick_toy}"]
+    if not data.exists():
+        assert main(["data", "prepare", "-r", "tiny/arith", "--out", str(data), "--limit", "64", "-o", "eval.limit=8"]) == 0
+    args = ["train", "-r", "tiny/arith", "--method", method, "--backend", "verl", "--device", "cpu",
+            "--data-dir", str(data), "--out", str(tmp / "runs" / method), "-o", f"model.path={quick_toy}"]
     for o in SMALL:
         args += ["-o", o]
-    assert main(args) == 0, (next((tmp / "runs").iterdir()) / "verl.log").read_text()[-5000:]
-    return next((tmp / "runs").iterdir())
+    code = main(args)
+    run = next((tmp / "runs" / method).iterdir())
+    assert code == 0, (run / "verl.log").read_text()[-5000:]
+    return run
+
+
+@pytest.fixture(scope="module")
+def verl_tmp(tmp_path_factory):
+    return tmp_path_factory.mktemp("verl_cpu")
+
+
+@pytest.fixture(scope="module")
+def verl_run(verl_tmp, quick_toy):
+    return _train(verl_tmp, quick_toy, "stare-o1")
 
 
 def test_verl_trains_two_steps_on_cpu_with_stare_active(verl_run):
@@ -46,13 +60,14 @@ def test_verl_trains_two_steps_on_cpu_with_stare_active(verl_run):
         # the gate is on (H_tgt 10 > any entropy), the controller saw verl's old-log-prob entropy
         assert r["stare/gate"] == 1.0 and r["stare/W"] == W
         assert r["entropy"] == pytest.approx(r["actor/entropy"])
-        assert 0 < r["stare/sel_pos"] < 1
-        # Plain GRPO advantages with n = 4 are at most 1.5 (one right of four: 0.75 / std 0.5), and the
-        # smallest positive one is 0.5 (three right: 0.25 / 0.5). verl's own advantage statistics are
-        # taken after our transform, so a selected token shows up as >= 0.5 * W = 5.
-        assert r["critic/advantages/max"] >= 0.5 * W
-        assert r["critic/advantages/max"] <= 1.5 * W + 1e-4
-        for key in ("reward", "grad_norm", "len/mean", "timing_s/step"):
+        # official scope: L+ is chosen inside verl's loss calls (the actor's statistics), and the
+        # driver's advantages stay plain GRPO (n = 4: at most 1.5, one right of four: 0.75 / 0.5)
+        assert 0 < r["stare/sel_pos"] < 1 and r["stare/sel_neg"] == 0.0
+        assert r["critic/advantages/max"] <= 1.5 + 1e-4
+        # the official accuracy beside the shaped `score` and the format check (our reward manager)
+        assert 0 <= r["acc"] <= 1 and 0 <= r["format"] <= 1 and -1 <= r["official_score"] <= 1
+        assert r["reward"] == pytest.approx(r["acc"])  # the official managers train on acc
+        for key in ("reward", "grad_norm", "len/mean", "timing_s/step", "reflection_rate"):
             assert key in r, key
         # The HF rollout server samples from the weights the actor just pushed: its log-probs match
         # the actor's old-log-prob pass (both fp32) at every step, the second included.
@@ -69,7 +84,9 @@ def test_verl_checkpoint_carries_the_controller(verl_run):
     assert state["W"] == W and state["gate"] is True and state["steps"] == state["steps_on"] == 2
     meta = json.loads((verl_run / "meta.json").read_text())
     assert any(o == "actor_rollout_ref.rollout.name=hf" for o in meta["overrides"])
+    assert meta["reward_grader"] == "stare-official@1"
     assert "step:2" in (verl_run / "verl.log").read_text()
+    assert (verl_run / "hydra").is_dir()  # Hydra's output folder is inside the run, not ./outputs
 
 
 def test_compare_reads_the_verl_run(verl_run, cli):
@@ -81,6 +98,17 @@ def test_compare_reads_the_verl_run(verl_run, cli):
     cells = dict(zip(header.split(","), row.split(",")))
     assert cells["Method"] == "STARE-O1 *"  # flagged: evaluated on a subset (eval.limit=8)
     assert cells["Toy arith"] == f"{100 * last:.1f}"  # avg@2 in percent, as compare prints it
+
+
+def test_grpo_ds_trains_on_verl_through_the_same_layer(verl_tmp, quick_toy):
+    run = _train(verl_tmp, quick_toy, "grpo-ds")
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if "actor/pg_loss" in r]
+    assert [r["step"] for r in train] == [1, 2]
+    for r in train:
+        assert "stare/gate" not in r and "stare/sel_pos" not in r
+        assert r["reward"] == pytest.approx(r["acc"]) and "official_score" in r and "format" in r
+    assert not (run / "checkpoints" / "global_step_2" / "stare_controller.json").exists()
 
 
 def test_verl_run_resumes_from_its_checkpoint(verl_run):

@@ -133,22 +133,32 @@ def test_grpo_advantage_matches_verl(seed, norm):
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_registered_losses_equal_verl_builtins(seed):
-    """Our losses registered in verl's registry under our method names give verl's numbers."""
-    from baselines.verl_adapter import register_all
+@pytest.mark.parametrize("method,verl_fn,cfg_kw", [
+    ("grpo-ds", "compute_policy_loss_vanilla", {}),
+    ("kl-cov", "compute_policy_loss_kl_cov", {"kl_cov_ratio": 0.002, "ppo_kl_coef": 1.0}),
+    ("gspo", "compute_policy_loss_gspo", {}),
+])
+def test_registered_layer_loss_equals_verl_builtins(seed, method, verl_fn, cfg_kw):
+    """Our policy loss in verl's registry (`stare_layer`, the method layer's loss) gives verl's own
+    numbers for the methods verl also implements, with the recipe's parameters."""
+    from stare_cli.backends.verl_ext import _CALL, _Call
+    from stare_cli.method_layer import MethodLayer, load_recipe
 
-    assert "stare-o1" in register_all()
+    layer = MethodLayer.from_recipe(load_recipe("short-cot/qwen2.5-math-7b", method))
     new, old, adv, mask = _inputs(seed)
-    cfg = _config()
-    ours, m = core_algos.get_policy_loss_fn("stare-o1")(
-        old_log_prob=old, log_prob=new, advantages=adv, response_mask=mask, loss_agg_mode="token-mean", config=cfg)
-    ref, ref_m = core_algos.get_policy_loss_fn("vanilla")(
-        old_log_prob=old, log_prob=new, advantages=adv, response_mask=mask, loss_agg_mode="token-mean", config=cfg)
+    if method == "gspo":
+        new = old + 0.0005 * (new - old)
+        cfg = _config("gspo", clip_low=3e-4, clip_high=4e-4)
+    else:
+        cfg = _config(verl_fn.removeprefix("compute_policy_loss_"), **cfg_kw)  # vanilla / kl_cov
+    token = _CALL.set(_Call(layer, None, None))
+    try:
+        ours, m = core_algos.get_policy_loss_fn("stare_layer")(
+            old_log_prob=old, log_prob=new, advantages=adv, response_mask=mask,
+            loss_agg_mode=layer.cfg.loss_agg, config=cfg)
+    finally:
+        _CALL.reset(token)
+    ref, ref_m = getattr(core_algos, verl_fn)(old_log_prob=old, log_prob=new, advantages=adv, response_mask=mask,
+                                              loss_agg_mode=layer.cfg.loss_agg, config=cfg)
     assert_close(ours, ref)
-    assert m["actor/pg_clipfrac"] == pytest.approx(ref_m["actor/pg_clipfrac"], abs=1e-6)
-    cfg = _config("kl_cov", kl_cov_ratio=0.02, ppo_kl_coef=1.0)
-    ours, _ = core_algos.get_policy_loss_fn("kl-cov")(
-        old_log_prob=old, log_prob=new, advantages=adv, response_mask=mask, loss_agg_mode="token-mean", config=cfg)
-    ref, _ = core_algos.compute_policy_loss_kl_cov(
-        old_log_prob=old, log_prob=new, advantages=adv, response_mask=mask, loss_agg_mode="token-mean", config=cfg)
-    assert_close(ours, ref)
+    assert m["actor/ppo_kl"] == pytest.approx(ref_m["actor/ppo_kl"], abs=1e-6)

@@ -1,15 +1,19 @@
 """The embedded backend: one process, PyTorch + transformers, CPU or one CUDA GPU.
 
-`train()` is one flat loop that reads top to bottom; each step:
+`train()` is one flat loop that reads top to bottom; everything a method decides comes from the
+method layer (stare_cli/method_layer.py), the same object verl's processes use. Each step:
   1. draw a generation batch of prompts, roll out n responses each (HF generate, or a colocated
      vLLM engine that gets the current weights before each rollout: `rollout.engine`)
-  2. reward with the evaluation grader (math-verify on the final \\boxed{}), method shaping (overlong)
-  3. group advantages; dynamic sampling draws more generation batches until the train batch fills
-  4. one no-grad forward: old log-probs and token entropies (on-policy with one update per batch,
+  2. reward: the method layer's `score` (the recipe's reward function, truncation rule, shaping)
+  3. dynamic sampling on accuracy: more generation batches until the train batch fills
+     (`collect_rollouts`; `rollout.on_short_batch` says what happens when it cannot)
+  4. one no-grad forward: old log-probs and token entropies (on-policy with a single micro-batch,
      the training forward's own, detached)
-  5. STARE: controller update from the batch-mean entropy, then token weights (A_eff = w * A)
-  6. PPO updates over mini-batches with micro-batch accumulation, the method's loss, grad clip, LR
-  7. metrics, samples, evaluation and checkpoints
+  5. the STARE controller once per step from the batch's token-mean entropy, then the method
+     layer's batch transform (advantages over tokens, masks, batch-scope STARE weights)
+  6. PPO updates over mini-batches, micro-batches from the method layer (token budget or rows), the
+     method layer's loss (official-scope STARE selects here, per loss call), grad clip, LR
+  7. metrics, samples, evaluation (the training rollout path: same engine and tools) and checkpoints
 
 Forwards: each row is prompt + response from position 0, right-padded, so causal attention needs
 no padding mask, and rows go through the model in length-sorted buckets, each padded only to its
@@ -28,8 +32,9 @@ import functools
 import importlib.util
 import json
 import math
-from contextlib import nullcontext
 import os
+from contextlib import nullcontext
+from dataclasses import dataclass
 import random
 import shutil
 import sys
@@ -39,6 +44,7 @@ from typing import Any, Optional
 
 from stare_cli.config import Recipe
 from stare_cli.errors import StareError
+from benchmarks.metrics import reflection_rate
 from stare_cli.runs import append_jsonl, atomic_write_text, new_run_dir, read_jsonl, write_run_meta
 
 RUN_STATE = "state.json"
@@ -229,18 +235,6 @@ def pack(samples: list, pad_id: int, device) -> dict:
     }
 
 
-def reflection_rate(texts: list[str], words: list[str]) -> float:
-    """Reflection words per 1,000 words of response text."""
-    import re
-
-    if not words:
-        return 0.0
-    pat = re.compile(r"\b(" + "|".join(re.escape(w) for w in words) + r")\b", re.IGNORECASE)
-    n_words = sum(len(t.split()) for t in texts)
-    hits = sum(len(pat.findall(t)) for t in texts)
-    return 1000.0 * hits / max(n_words, 1)
-
-
 # ----------------------------------------------------------------------------------- checkpoints
 def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, scheduler, state: dict, keep_last: int) -> Path:
     import torch
@@ -269,7 +263,7 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, sched
 
 def resume_recipe(run_dir: Path, overrides: list[str]) -> Recipe:
     """The recipe a run was started with (its config.yaml), plus any new overrides."""
-    from stare_cli.recipes import load_recipe
+    from stare_cli.method_layer import load_recipe
 
     cfg_file = Path(run_dir) / "config.yaml"
     if not cfg_file.exists():
@@ -307,25 +301,150 @@ class StepLog:
             self.progress.stop()
 
 
+# ------------------------------------------------------------------------------------- contract
+def refusals(cfg: Recipe) -> list[tuple[str, str]]:
+    """What the embedded backend cannot honour (stare_cli/backends/__init__.py): it runs every key
+    of the recipe except the verl section (backend.verl.*), which configures the other backend."""
+    out = []
+    if cfg.rollout.tools.enable and cfg.rollout.engine == "vllm":
+        out.append(("rollout.engine", "tool use runs on the hf rollout engine (rollout.tools.enable is on)"))
+    if cfg.optim.precision == "fp16" and cfg.backend.embedded.device == "cpu":
+        out.append(("optim.precision", "fp16 needs a CUDA device (backend.embedded.device is cpu)"))
+    return out
+
+
 # ----------------------------------------------------------------------------------------- train
+@dataclass
+class Drawn:
+    """One response of a step's generation batches, as scored by the method layer."""
+
+    sample: Any  # benchmarks.engines.Sample
+    reward: float
+    acc: float
+    group: int  # unique within the step (generation batch x prompt)
+
+
+@dataclass
+class StepRollouts:
+    """Steps 1-3 of one training step: the responses kept for training, in draw order, and what was
+    measured on all responses drawn."""
+
+    kept: list[Drawn]
+    metrics: dict[str, float]
+    t_gen: float
+    t_score: float
+    groups_wanted: int
+
+    @property
+    def n_groups(self) -> int:
+        return len({d.group for d in self.kept})
+
+
+def collect_rollouts(layer, engine, rows: list[dict], cursor: int, step: int, cfg: Recipe, tok, use_chat: bool,
+                     tools, before_generate) -> tuple[StepRollouts, int]:
+    """Draw generation batches of prompts, roll out n responses each, score them with the method
+    layer and keep the groups dynamic sampling keeps, until the train batch is full (at most
+    rollout.max_gen_batches draws). Returns the rollouts and the new data cursor."""
+    import torch
+
+    from benchmarks.engines import SamplingParams
+    from benchmarks.templates import build_prompt
+
+    R, O = cfg.rollout, cfg.optim
+    ds = layer.cfg.dynamic_sampling
+    kept: list[Drawn] = []
+    drawn: list[Drawn] = []
+    groups_dropped, n_draws, t_gen, t_score = 0, 0, 0.0, 0.0
+    metric_rows: list[dict[str, float]] = []
+    full_solve: list[float] = []
+    per_group = ds and R.refill == "per_group"
+    while len({d.group for d in kept}) < O.train_batch_size:
+        if ds and not per_group and n_draws >= R.max_gen_batches:
+            break
+        if per_group and len(drawn) >= 100 * O.train_batch_size * R.n:
+            raise StareError(f"step {step + 1}: {len(drawn) // R.n} prompts drawn and {len({d.group for d in kept})} "
+                             "groups with varied accuracy", hint="the model answers (almost) every prompt alike")
+        # gen_batches: gen_batch_size prompts per draw (the official trainer); per_group: one fresh
+        # prompt per group still missing (verl 0.9's replay buffer); no dynamic sampling: one train batch.
+        k = (O.train_batch_size - len({d.group for d in kept}) if per_group
+             else R.gen_batch_size if ds else O.train_batch_size)
+        batch_rows, cursor = take_prompts(rows, cursor, k, O.seed, cfg.data.shuffle)
+        prompts = [build_prompt(r["problem"], cfg.data.template.value, tok, use_chat) for r in batch_rows]
+        sp = SamplingParams(n=R.n, temperature=R.temperature, top_p=R.top_p, top_k=R.top_k,
+                            max_new_tokens=R.max_response_tokens, seed=O.seed * 1_000_003 + step * 101 + n_draws)
+        t0 = time.perf_counter()
+        before_generate()
+        groups = engine.generate(prompts, sp, tools)
+        t_gen += time.perf_counter() - t0
+        flat = [(gi, s) for gi, g in enumerate(groups) for s in g]
+        t0 = time.perf_counter()
+        scores = layer.score([s.text for _, s in flat], [batch_rows[gi]["answer"] for gi, _ in flat],
+                             [s.finished for _, s in flat], [len(s.response_ids) for _, s in flat])
+        t_score += time.perf_counter() - t0
+        gid = torch.tensor([n_draws * 100_000 + gi for gi, _ in flat])
+        batch = [Drawn(s, float(r), float(a), int(g)) for (_, s), r, a, g in zip(flat, scores.reward, scores.acc, gid)]
+        drawn += batch
+        metric_rows.append({**scores.metrics(), "n": len(flat)})
+        full_solve += scores.acc.view(-1, R.n).min(-1).values.tolist()
+        keep, dropped = layer.keep_groups(scores.acc, gid)
+        groups_dropped += dropped
+        kept += [d for d, k in zip(batch, keep.tolist()) if k]
+        n_draws += 1
+        if not ds:
+            break
+    # Trim to the train batch: whole groups, in draw order (as the official trainer's batch[:size]).
+    first_groups = sorted({d.group for d in kept})[: O.train_batch_size]
+    kept = [d for d in kept if d.group in set(first_groups)]
+    n = sum(m["n"] for m in metric_rows)
+    metrics = {k: sum(m[k] * m["n"] for m in metric_rows) / n for k in metric_rows[0] if k != "n"}
+    samples = [d.sample for d in drawn]
+    metrics.update({
+        "full_solve": sum(full_solve) / len(full_solve), "groups_dropped": groups_dropped, "gen_batches": n_draws,
+        "train_groups": len(first_groups), "len/mean": sum(len(s.response_ids) for s in samples) / len(samples),
+        "len/max": max(len(s.response_ids) for s in samples),
+        "len/truncated": 1 - sum(s.finished for s in samples) / len(samples),
+        "reflection_rate": reflection_rate([s.text for s in samples], cfg.logging.reflection_words),
+    })
+    if tools is not None:
+        calls = sum(s.tool_calls for s in samples)
+        metrics.update({"tools/calls_per_response": calls / len(samples),
+                        "tools/error_rate": sum(s.tool_errors for s in samples) / max(calls, 1),
+                        "tools/turns": sum(s.turns for s in samples) / len(samples)})
+    return StepRollouts(kept, metrics, t_gen, t_score, O.train_batch_size), cursor
+
+
+def old_logprobs_and_entropy(model, batch: dict, parts: list[list[int]], temperature: float, autocast, buckets: bool):
+    """Step 4: log pi_old and the token entropy of every row, one no-grad forward per part [B, T]."""
+    import torch
+
+    model.eval()
+    B, T = batch["response_mask"].shape
+    old = torch.zeros(B, T, device=batch["response_mask"].device)
+    ent = torch.zeros_like(old)
+    with torch.no_grad():
+        for idx in parts:
+            with autocast():
+                lp, en = token_logprobs_entropy(model, batch, idx, temperature, buckets=buckets)
+            old[idx], ent[idx] = lp.float(), en.float()
+    model.train()
+    return old, ent
+
+
 def train(cfg: Recipe, out_root: Path | str = "runs", resume_dir: Optional[Path] = None) -> Path:
     """Train `cfg.method` under `cfg` with the embedded backend. Returns the run directory."""
     import torch
     from transformers import AutoModelForCausalLM
-
-    from baselines import Agg, StareController, dynamic_sampling_keep, grpo_advantage, overlong_penalty
-    from baselines import quadrant_stats, top_entropy_mask, w_reinforce_advantage
-    from baselines.registry import check_method, policy_loss
-    from benchmarks.engines import HFEngine, SamplingParams, load_tokenizer, use_gqa_sdpa_on_cpu
-    from benchmarks.grading import Grader
-    from benchmarks.templates import build_prompt
-
     from transformers.utils import logging as hf_logging
+
+    from baselines import Agg
+    from benchmarks.engines import HFEngine, load_tokenizer, use_gqa_sdpa_on_cpu
+    from benchmarks.grading import Grader
+    from stare_cli.method_layer import BatchInputs, LossInputs, MethodLayer
 
     hf_logging.disable_progress_bar()  # our own progress display owns the terminal
     hf_logging.set_verbosity_error()
-    spec = check_method(cfg.method.name)
-    mcfg, R, O = cfg.method, cfg.rollout, cfg.optim
+    layer = MethodLayer.from_recipe(cfg)
+    R, O = cfg.rollout, cfg.optim
     torch.set_num_threads(cfg.backend.embedded.threads)
     dev_name = cfg.backend.embedded.device
     if dev_name == "auto":
@@ -351,12 +470,14 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume_dir: Optional[Path]
     latest = run_dir / "checkpoints" / "latest"
     resuming = resume_dir is not None and latest.exists()
     model_path = str(latest.resolve()) if resuming else resolve_model_path(cfg.model.path)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.model.dtype.value]
     tok = load_tokenizer(model_path, trust_remote_code=cfg.model.trust_remote_code)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     torch.manual_seed(O.seed)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code,
+    # fp32 master weights always (an lr of 1e-6 barely moves bf16 weights); optim.precision sets the
+    # compute dtype (autocast) and model.dtype the colocated vLLM engine's copy.
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
+                                                 trust_remote_code=cfg.model.trust_remote_code,
                                                  use_safetensors=True).to(device)
     model.train()
     use_gqa_sdpa_on_cpu(model)
@@ -370,10 +491,6 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume_dir: Optional[Path]
         return {"constant": 1.0, "cosine": 0.5 * (1 + math.cos(math.pi * frac)), "linear": 1.0 - frac}[O.schedule]
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
-    controller = StareController(
-        variant=spec.stare or "o1", P=mcfg.stare.P, W=mcfg.stare.W, M=mcfg.stare.M, h_tgt=mcfg.stare.h_tgt,
-        adaptive=mcfg.stare.adaptive, alpha=mcfg.stare.alpha, w_max=mcfg.stare.w_max, m_min=mcfg.stare.m_min,
-    )
     step, cursor = 0, 0
     if resuming:
         blob = torch.load(latest / "trainer.pt", weights_only=True)  # our own file; tensors only
@@ -382,12 +499,14 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume_dir: Optional[Path]
         torch.set_rng_state(blob["torch_rng"])
         st = json.loads((latest / RUN_STATE).read_text())
         step, cursor = st["step"], st["cursor"]
-        controller.load_state_dict(st["controller"])
+        if layer.controller is not None and st.get("controller"):
+            layer.controller.load_state_dict(st["controller"])
         # Drop metrics written after the checkpoint (a crash mid-way): the resumed run redoes them.
         rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("step", 0) <= step]
         atomic_write_text(run_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
     else:
-        write_run_meta(run_dir, cfg, {"backend": "embedded", "device": str(device), "model_path": model_path})
+        write_run_meta(run_dir, cfg, {"backend": "embedded", "device": str(device), "model_path": model_path,
+                                      "reward_grader": layer.reward_function().grader.tag})
 
     rows = load_prompts(cfg)
     use_chat = cfg.model.chat_template == "auto"
@@ -408,11 +527,12 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume_dir: Optional[Path]
             with torch.no_grad():
                 engine.load_weights((k, v.detach()) for k, v in model.state_dict().items())
             weights["synced"] = weights["version"]
-    grader = Grader(workers=0, boxed_only=True)  # rewards: the final \boxed{} answer only
+
     tools = _tool_spec(cfg)
-    eval_grader = Grader(workers=0)  # evaluation: with the fallbacks users expect (stare eval's grader)
+    eval_grader = Grader(workers=0)  # evaluation: `stare eval`'s grader, with the fallbacks users expect
     wb = _wandb_init(cfg, run_dir)
     log = StepLog(O.total_steps, step)
+
     def autocast():
         if O.precision == "fp32":
             return nullcontext()
@@ -424,158 +544,77 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume_dir: Optional[Path]
         while step < O.total_steps:
             t_step = time.perf_counter()
             metrics: dict[str, Any] = {}
-            # ---- 1-3. rollout, reward, advantages; dynamic sampling fills the train batch
-            kept: list = []  # (sample, reward, correct, group id) of kept groups
-            n_groups_dropped, n_gen_batches, t_gen, t_score = 0, 0, 0.0, 0.0
-            all_rewards, all_correct, all_texts, all_finished, all_lens, group_full = [], [], [], [], [], []
-            all_calls, all_errors, all_turns = [], [], []
-            n_prompts_needed = O.train_batch_size
-            while len({g for *_, g in kept}) < n_prompts_needed:
-                if mcfg.dynamic_sampling and n_gen_batches >= R.max_gen_batches:
-                    break
-                k = R.gen_batch_size if mcfg.dynamic_sampling else O.train_batch_size
-                batch_rows, cursor = take_prompts(rows, cursor, k, O.seed, cfg.data.shuffle)
-                prompts = [build_prompt(r["problem"], cfg.data.template.value, tok, use_chat) for r in batch_rows]
-                t0 = time.perf_counter()
-                sp = SamplingParams(n=R.n, temperature=R.temperature, top_p=R.top_p, top_k=R.top_k,
-                                    max_new_tokens=R.max_response_tokens,
-                                    seed=O.seed * 1_000_003 + step * 101 + n_gen_batches)
-                sync_rollout_weights()
-                groups = engine.generate(prompts, sp, tools)
-                t_gen += time.perf_counter() - t0
-                t0 = time.perf_counter()
-                flat = [(gi, s) for gi, g in enumerate(groups) for s in g]
-                verdicts = grader.grade_many([s.text for _, s in flat], [batch_rows[gi]["answer"] for gi, _ in flat])
-                t_score += time.perf_counter() - t0
-                correct = torch.tensor([float(v.correct and s.finished) for (_, s), v in zip(flat, verdicts)])
-                reward = correct.clone()
-                lens = torch.tensor([len(s.response_ids) for _, s in flat])
-                if mcfg.overlong.enable:
-                    reward = reward + overlong_penalty(lens, R.max_response_tokens, mcfg.overlong.buffer, mcfg.overlong.factor)
-                gid = torch.tensor([n_gen_batches * 100_000 + gi for gi, _ in flat])
-                all_rewards += reward.tolist()
-                all_correct += correct.tolist()
-                all_texts += [s.text for _, s in flat]
-                all_finished += [s.finished for _, s in flat]
-                all_lens += lens.tolist()
-                all_calls += [s.tool_calls for _, s in flat]
-                all_errors += [s.tool_errors for _, s in flat]
-                all_turns += [s.turns for _, s in flat]
-                group_full += correct.view(-1, R.n).min(-1).values.tolist()
-                keep = torch.ones(len(flat), dtype=torch.bool)
-                if mcfg.dynamic_sampling:
-                    keep, dropped = dynamic_sampling_keep(reward, gid)
-                    n_groups_dropped += dropped
-                for j in torch.nonzero(keep).squeeze(1).tolist():
-                    kept.append((flat[j][1], reward[j].item(), correct[j].item(), int(gid[j])))
-                n_gen_batches += 1
-                if not mcfg.dynamic_sampling:
-                    break
-            n_groups = len({g for *_, g in kept})
-            # Trim to the train batch (whole groups, in draw order).
-            keep_groups = sorted({g for *_, g in kept})[: O.train_batch_size]
-            kept = [x for x in kept if x[3] in set(keep_groups)]
-            metrics.update({
-                "reward": float(sum(all_rewards) / len(all_rewards)),
-                "acc": float(sum(all_correct) / len(all_correct)),
-                "full_solve": float(sum(group_full) / len(group_full)),
-                "groups_dropped": n_groups_dropped, "gen_batches": n_gen_batches, "train_groups": len(keep_groups),
-                "len/mean": float(sum(all_lens) / len(all_lens)), "len/max": int(max(all_lens)),
-                "len/truncated": float(1 - sum(all_finished) / len(all_finished)),
-                "reflection_rate": reflection_rate(all_texts, cfg.logging.reflection_words),
-            })
-            if tools is not None:
-                metrics.update({"tools/calls_per_response": sum(all_calls) / len(all_calls),
-                                "tools/error_rate": sum(all_errors) / max(sum(all_calls), 1),
-                                "tools/turns": sum(all_turns) / len(all_turns)})
-            if not kept:  # every group was all-equal: nothing to learn; samples/eval/checkpoint still run
+            # ---- 1-3. rollout, reward (method layer), dynamic sampling until the train batch fills
+            ro, cursor = collect_rollouts(layer, engine, rows, cursor, step, cfg, tok, use_chat, tools,
+                                          sync_rollout_weights)
+            metrics.update(ro.metrics)
+            if (ro.n_groups < ro.groups_wanted and layer.cfg.dynamic_sampling and R.refill == "gen_batches"
+                    and R.on_short_batch == "error"):
+                raise StareError(
+                    f"step {step + 1}: {R.max_gen_batches} generation batches kept {ro.n_groups} groups with varied "
+                    f"accuracy, fewer than optim.train_batch_size ({O.train_batch_size})",
+                    hint="raise rollout.max_gen_batches, or -o rollout.on_short_batch=train to train on what was kept "
+                         "(the official trainer stops here too)")
+            t_train = 0.0
+            if not ro.kept:  # every group was all-equal: nothing to learn; samples/eval/checkpoint still run
                 metrics.update({"lr": sched.get_last_lr()[0], "skipped": 1})
-                samples, t_train = [], 0.0
                 step += 1
                 sched.step()
             else:
-                samples = [x[0] for x in kept]
-                rewards = torch.tensor([x[1] for x in kept])
-                gids = torch.tensor([x[3] for x in kept])
-                if spec.advantage == "w_reinforce":
-                    adv_seq = w_reinforce_advantage(rewards, mcfg.w_reinforce_lambda)
-                else:
-                    adv_seq = grpo_advantage(rewards, gids, eps=mcfg.adv_eps, norm_by_std=mcfg.adv_estimator == "grpo")
+                samples = [d.sample for d in ro.kept]
                 batch = pack(samples, tok.pad_token_id, device)
-                mask = batch["response_mask"]
-                if R.truncated == "mask":
-                    fin = torch.tensor([float(s.finished) for s in samples], device=device)
-                    mask = mask * fin[:, None]
-                adv = adv_seq.to(device)[:, None] * mask
-
-                # ---- 4. old log-probs and entropies, one no-grad forward (in micro-batches). On-policy
-                # with a single micro-batch the training forward itself gives them (detached): one
-                # forward instead of two, the same numbers.
+                lengths = batch["seq_len"].tolist()
                 t_train0 = time.perf_counter()
+                # ---- 4. old log-probs and token entropies. On-policy with a single micro-batch the
+                # training forward itself gives them (detached): one forward instead of two, same numbers.
                 resp_per_mini = O.mini_batch_size * R.n
-                fused = O.ppo_epochs == 1 and len(samples) <= min(resp_per_mini, O.micro_batch_size)
+                minis = [list(range(m0, min(m0 + resp_per_mini, len(samples))))
+                         for m0 in range(0, len(samples), resp_per_mini)]
+                parts = {tuple(mini): [[mini[i] for i in mb] for mb in layer.micro_batches([lengths[i] for i in mini])]
+                         for mini in minis}
+                fused = O.ppo_epochs == 1 and len(minis) == 1 and len(parts[tuple(minis[0])]) == 1
                 if fused:
                     with autocast():
-                        lp_cur, en_cur = token_logprobs_entropy(model, batch, range(len(samples)), R.temperature,
-                                                                buckets=buckets)
+                        lp_cur, en_cur = token_logprobs_entropy(model, batch, minis[0], R.temperature, buckets=buckets)
                     old_logp, entropy = lp_cur.detach().float(), en_cur.detach().float()
                 else:
-                    model.eval()
-                    with torch.no_grad():
-                        olds, ents = [], []
-                        for i in range(0, len(samples), O.micro_batch_size):
-                            sl = slice(i, i + O.micro_batch_size)
-                            with autocast():
-                                lp, en = token_logprobs_entropy(model, batch, range(len(samples))[sl], R.temperature,
-                                                                buckets=buckets)
-                            olds.append(lp.float())
-                            ents.append(en.float())
-                        old_logp, entropy = torch.cat(olds), torch.cat(ents)
-                    model.train()
-                H = float((entropy * mask).sum() / mask.sum().clamp(min=1))
+                    old_logp, entropy = old_logprobs_and_entropy(
+                        model, batch, [mb for mini in minis for mb in parts[tuple(mini)]], R.temperature, autocast, buckets)
+                resp_mask = batch["response_mask"]
+                H = float((entropy * resp_mask).sum() / resp_mask.sum().clamp(min=1))
                 metrics["entropy"] = H
 
-                # ---- 5. STARE: gate from this batch's entropy, then token weights (batch scope)
-                loss_mask = mask
-                if spec.stare:
-                    controller.update(H)
-                    if mcfg.stare.scope == "batch":
-                        w = controller.weights(adv, old_logp, mask)
-                        adv = adv * w
-                        metrics["stare/sel_pos"] = float(((w > 1) & (mask > 0)).sum() / mask.sum().clamp(min=1))
-                        metrics["stare/sel_neg"] = float(((w < 1) & (mask > 0)).sum() / mask.sum().clamp(min=1))
-                    metrics.update({"stare/gate": float(controller.gate), "stare/W": controller.W, "stare/M": controller.M})
-                if spec.top_entropy:
-                    loss_mask = mask * top_entropy_mask(entropy, mask, mcfg.top_entropy_frac)
-                metrics.update({k: float(v) for k, v in quadrant_stats(adv, old_logp, entropy, mask).items()})
+                # ---- 5. controller (once per step) and the batch transform (method layer)
+                stare_state, m = layer.begin_step(H)
+                metrics.update(m)
+                bt = layer.transform_batch(BatchInputs(
+                    rewards=torch.tensor([d.reward for d in ro.kept]), group=torch.tensor([d.group for d in ro.kept]),
+                    mask=resp_mask, old_log_prob=old_logp, entropy=entropy,
+                    finished=torch.tensor([s.finished for s in samples])), stare_state)
+                metrics.update(bt.metrics)
 
-                # ---- 6. PPO updates: mini-batches of prompts, micro-batches of responses
-                need_ent = spec.entro_adv or mcfg.entropy_coef > 0
+                # ---- 6. PPO updates: mini-batches of prompts, micro-batches (method layer), its loss
+                need_ent = layer.needs_entropy_in_loss
                 gen = torch.Generator().manual_seed(O.seed * 7919 + step)
                 stats_acc: dict[str, list[float]] = {}
                 grad_norms = []
-                order = list(range(len(samples)))
                 for _epoch in range(O.ppo_epochs):
-                    for m0 in range(0, len(order), resp_per_mini):
-                        mini = order[m0 : m0 + resp_per_mini]
-                        n_tok = float(mask[mini].sum())
-                        n_seq = float((mask[mini].sum(-1) > 0).sum())
-                        agg = Agg(mcfg.loss_agg, num_tokens=max(n_tok, 1.0), num_seqs=max(n_seq, 1.0), scale=R.max_response_tokens)
+                    for mini in minis:
+                        agg = Agg(layer.cfg.loss_agg, num_tokens=max(float(bt.mask[mini].sum()), 1.0),
+                                  num_seqs=max(float((bt.mask[mini].sum(-1) > 0).sum()), 1.0),
+                                  scale=R.max_response_tokens)
                         opt.zero_grad(set_to_none=True)
-                        for u0 in range(0, len(mini), O.micro_batch_size):
-                            idx = mini[u0 : u0 + O.micro_batch_size]
+                        for idx in parts[tuple(mini)]:
                             if fused:
                                 lp, en = lp_cur, en_cur
                             else:
                                 with autocast():
                                     lp, en = token_logprobs_entropy(model, batch, idx, R.temperature, need_entropy=need_ent,
                                                                     buckets=buckets)
-                            a_mb = adv[idx]
-                            if spec.stare and mcfg.stare.scope == "micro_batch":
-                                a_mb = a_mb * controller.weights(a_mb, old_logp[idx], mask[idx])
-                            loss, st = policy_loss(spec, mcfg, log_prob=lp.float(), old_log_prob=old_logp[idx], adv=a_mb,
-                                                   mask=loss_mask[idx], entropy=None if en is None else en.float(), agg=agg,
-                                                   generator=gen)
+                            loss, st = layer.loss(LossInputs(
+                                log_prob=lp.float(), old_log_prob=old_logp[idx], advantages=bt.advantages[idx],
+                                mask=bt.mask[idx], agg=agg, entropy=None if en is None else en.float(),
+                                stare=stare_state, generator=gen))
                             (scaler.scale(loss) if scaler else loss).backward()
                             for k, v in st.items():
                                 stats_acc.setdefault(k, []).append(float(v.detach()))
@@ -594,26 +633,28 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume_dir: Optional[Path]
                 sched.step()
                 metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
                 for k, v in stats_acc.items():
-                    metrics[k if k == "loss" else f"actor/{k}"] = sum(v) / len(v)
+                    metrics[k if k == "loss" or k.startswith("stare/") else f"actor/{k}"] = sum(v) / len(v)
+                metrics["micro_batches"] = sum(len(p) for p in parts.values())
                 t_train = time.perf_counter() - t_train0
                 step += 1
 
             # ---- 7. samples, metrics, evaluation, checkpoint
             if cfg.logging.samples_every and step % cfg.logging.samples_every == 0:
                 with open(run_dir / "samples" / f"step-{step:06d}.jsonl", "w") as f:
-                    for s, (_, r, c, g) in zip(samples[:64], kept[:64]):
-                        f.write(json.dumps({"group": g, "reward": r, "correct": c, "finished": s.finished,
-                                            "response": s.text}) + "\n")
+                    for d in ro.kept[:64]:
+                        f.write(json.dumps({"group": d.group, "reward": d.reward, "acc": d.acc,
+                                            "finished": d.sample.finished, "response": d.sample.text}) + "\n")
             if cfg.eval.benchmarks and ((cfg.eval.every and step % cfg.eval.every == 0) or step == O.total_steps):
                 sync_rollout_weights()
-                metrics.update(_evaluate(engine, eval_grader, cfg.eval.benchmarks, cfg, tok, use_chat, step, run_dir))
-            _finish_step(run_dir, step, metrics, t_step, t_gen, t_score, t_train, log, wb)
+                metrics.update(_evaluate(engine, eval_grader, cfg, tok, use_chat, step, run_dir, tools))
+            _finish_step(run_dir, step, metrics, t_step, ro.t_gen, ro.t_score, t_train, log, wb)
             if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == O.total_steps:
-                state = {"step": step, "cursor": cursor, "controller": controller.state_dict(), "method": spec.name}
+                state = {"step": step, "cursor": cursor, "method": layer.spec.name,
+                         "controller": layer.controller.state_dict() if layer.controller is not None else None}
                 save_checkpoint(run_dir, step, model, tok, opt, sched, state, cfg.checkpoint.keep_last)
     finally:
         log.close()
-        grader.close()
+        layer.close()
         eval_grader.close()
         if wb is not None:
             wb.finish()
@@ -642,25 +683,31 @@ def _finish_step(run_dir, step, metrics, t_step, t_gen, t_score, t_train, log, w
         wb.log(metrics, step=step)
 
 
-def _evaluate(engine, eval_grader, benches: list[str], cfg: Recipe, tok, use_chat, step: int, run_dir: Path) -> dict:
-    """Evaluate the live model with `stare eval`'s engine and grader; results land in
-    run_dir/eval/step-N/<bench>/ (results.json, samples.jsonl) and the metrics row gets
-    eval/<bench>/acc (avg@n as a fraction) and eval/<bench>/len."""
+def _evaluate(engine, eval_grader, cfg: Recipe, tok, use_chat, step: int, run_dir: Path, tools=None) -> dict:
+    """Evaluate the live model on the recipe's benchmarks through the training rollout path (the same
+    engine, tools and stop rules) and each benchmark's own protocol where the recipe leaves it open
+    (n, temperature, top_p); results land in run_dir/eval/step-N/<bench>/ (results.json,
+    samples.jsonl) and the metrics row gets eval/<bench>/acc (avg@n as a fraction) and eval/<bench>/len."""
     from benchmarks.evaluate import EvalSettings, evaluate_benchmark
     from benchmarks.registry import check_benchmark
 
+    E = cfg.eval
     out = {}
-    for bench in benches:
+    for bench in E.benchmarks:
         spec = check_benchmark(bench)
         s = EvalSettings(model=f"{run_dir}@step-{step}", bench=bench, template=cfg.data.template.value,
-                         n=cfg.eval.n or spec.n, temperature=cfg.eval.temperature, top_p=cfg.eval.top_p,
-                         max_tokens=cfg.eval.max_tokens or cfg.rollout.max_response_tokens, seed=cfg.optim.seed,
-                         engine=engine.name, limit=cfg.eval.limit)
+                         n=E.n or spec.n, temperature=spec.temperature if E.temperature is None else E.temperature,
+                         top_p=spec.top_p if E.top_p is None else E.top_p,
+                         max_tokens=E.max_tokens or cfg.rollout.max_response_tokens, seed=cfg.optim.seed,
+                         engine=engine.name, limit=E.limit)
         res = evaluate_benchmark(engine, tok, s, run_dir / "eval" / f"step-{step:06d}" / bench.replace(":", "-"),
-                                 eval_grader, use_chat_template=use_chat)
+                                 eval_grader, use_chat_template=use_chat, tools=tools,
+                                 reflection_words=cfg.logging.reflection_words)
         m = res["metrics"]
         out[f"eval/{bench}/acc"] = m[f"avg@{m['n']}"] / 100
         out[f"eval/{bench}/len"] = m["len/mean"]
+        if tools is not None:
+            out[f"eval/{bench}/tool_calls"] = m.get("tool_calls", 0.0)
     return out
 
 

@@ -1,166 +1,362 @@
-"""The verl backend: a resolved recipe becomes verl 0.9.x configuration (Hydra overrides of
-verl's `ppo_trainer`), launched locally or written as a `ray job submit` script.
+"""The verl backend: a resolved recipe becomes verl 0.9.x configuration (Hydra overrides of verl's
+`ppo_trainer`), launched locally or written as a `ray job submit` script.
 
-Methods use verl's own machinery where verl has it (GRPO advantage, clip-higher, dual-clip,
-filter_groups dynamic sampling, Clip-Cov, KL-Cov, GSPO, entropy_coeff, DAPO's overlong reward) and
-our code where it does not: STARE, 80/20, EntroAdv and W-REINFORCE run as advantage transforms in
-verl's driver (see `verl_ext.py`, imported in every verl process through VERL_USE_EXTERNAL_MODULES),
-using the old-log-prob pass's log-probs and token entropies. Rewards come from our grader
-(`verl_reward.py`), so verdicts equal `stare eval`'s.
+One table, `TABLE`, says for every recipe key what verl does with it: translated to verl keys
+(`verl`), honoured by the method layer running inside verl's processes (`layer`), honoured when
+`stare data prepare` writes the parquet files (`data`), recipe metadata with no effect on training
+(`meta`), or another backend's section (`other`). A row may refuse the recipe's value with a reason:
+`check()` fails validation naming the key (`stare recipes validate R --backend verl`); nothing is
+translated silently. `verl_overrides()` is built from the same table, and tests check it key by key.
+
+Every method runs from the method layer (stare_cli/method_layer.py): the resolved recipe travels in
+verl's own config (`+stare.recipe`), our extension (verl_ext.py, imported in every verl process)
+rebuilds the layer from it with the same constructor and runs rewards (a verl reward manager),
+advantages, the controller and the batch transform (verl's driver) and the policy loss (verl's actor,
+inside verl's loss call, so official-scope STARE selects on exactly the micro-batches verl forms).
 
 `backend.verl.device: cpu` (`stare train --device cpu`) runs verl's real trainer on CPU through the
-project's support module `verl_cpu.py` (CPU platform, gloo, FSDP2 on CPU, an HF-generate rollout
-server in place of vLLM); a CI test trains 2 steps that way with STARE active. What that does not
-exercise (vLLM, NCCL, multi-GPU sharding, flash-attention) is listed in `verl_cpu.py`.
+project's support module `verl_cpu.py`; what that does not exercise is listed there.
 """
 
 from __future__ import annotations
 
 import json
 import shlex
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 from stare_cli.config import Recipe
+from stare_cli.errors import StareError
 
 EXT_MODULE = "stare_cli.backends.verl_ext"
-LOSS_MODE = {"ppo_clip": "vanilla", "gspo": "gspo", "clip_cov": "clip_cov", "kl_cov": "kl_cov"}
+LOSS_MODE = "stare_layer"  # our policy loss in verl's registry: the method layer's loss
+REWARD_MANAGER = ("pkg://stare_cli.backends.verl_reward", "StareRewardManager")
+A = "actor_rollout_ref.actor"
+R_ = "actor_rollout_ref.rollout"
 
 
-def method_payload(cfg: Recipe) -> dict:
-    """What our verl extension needs at run time (passed as STARE_VERL_METHOD, JSON)."""
-    from baselines.registry import check_method
+# ------------------------------------------------------------------------------------ the table
+@dataclass(frozen=True)
+class Row:
+    """What verl does with one or more recipe keys.
 
-    spec = check_method(cfg.method.name)
-    m = cfg.method
-    if spec.stare and m.stare.scope != "batch":
-        from stare_cli.errors import StareError
+    kind: 'verl' (to_verl gives the overrides), 'layer', 'data', 'meta' or 'other' (module docstring).
+    refuse: (the key, the reason) when the recipe's values cannot be honoured, else None.
+    """
 
-        raise StareError(f"method.stare.scope={m.stare.scope}: the verl backend selects L+/L- over the whole batch",
-                         hint="use method.stare.scope=batch, or the embedded backend for per-micro-batch selection")
-    return {
-        "method": spec.name, "stare": spec.stare, "stare_cfg": m.stare.model_dump(), "top_entropy": spec.top_entropy,
-        "top_entropy_frac": m.top_entropy_frac, "entro_adv": spec.entro_adv, "entro_adv_cfg": m.entro_adv.model_dump(),
-        "w_reinforce": spec.advantage == "w_reinforce", "w_reinforce_lambda": m.w_reinforce_lambda,
-    }
+    keys: tuple[str, ...]
+    kind: str
+    note: str
+    to_verl: Optional[Callable[[Recipe], dict[str, Any]]] = None
+    refuse: Optional[Callable[[Recipe], Optional[tuple[str, str]]]] = None
+
+
+def _default(cfg: Recipe, dotted: str) -> bool:
+    """Whether `dotted` has the schema's default value in `cfg`."""
+    *parents, last = dotted.split(".")
+    node = cfg
+    for part in parents:
+        node = getattr(node, part)
+    return getattr(node, last) == type(node).model_fields[last].get_default(call_default_factory=True)
+
+
+def _unless_default(*keys: str, why: str) -> Callable[[Recipe], Optional[tuple[str, str]]]:
+    def check(cfg: Recipe) -> Optional[tuple[str, str]]:
+        changed = [k for k in keys if not _default(cfg, k)]
+        return (changed[0], why) if changed else None
+
+    return check
+
+
+def _precision(cfg: Recipe) -> dict[str, Any]:
+    # verl 0.9.1's FSDP engine: master weights in fsdp_config.model_dtype (fp32, as the official runs'
+    # fork), compute dtype from fsdp_config.mixed_precision.param_dtype (fp16 gets ShardedGradScaler).
+    p = cfg.optim.precision
+    out = {f"{A}.fsdp_config.model_dtype": "fp32", f"+{A}.fsdp_config.mixed_precision.param_dtype": p,
+           f"+{A}.fsdp_config.mixed_precision.reduce_dtype": "fp32",
+           f"+{A}.fsdp_config.mixed_precision.buffer_dtype": "fp32",
+           f"{A}.fsdp_config.dtype": {"fp16": "float16", "bf16": "bfloat16", "fp32": "bfloat16"}[p]}
+    return out
+
+
+def _micro_batches(cfg: Recipe) -> dict[str, Any]:
+    O, V = cfg.optim, cfg.backend.verl
+    if O.micro_batch_tokens is not None:
+        return {f"{A}.use_dynamic_bsz": True, f"{A}.ppo_max_token_len_per_gpu": O.micro_batch_tokens,
+                f"{R_}.log_prob_use_dynamic_bsz": True, f"{R_}.log_prob_max_token_len_per_gpu": O.micro_batch_tokens,
+                "actor_rollout_ref.ref.log_prob_use_dynamic_bsz": True,
+                "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": O.micro_batch_tokens}
+    n_gpus = V.n_gpus_per_node * V.nnodes
+    per_gpu = max(1, O.micro_batch_size // n_gpus)
+    return {f"{A}.use_dynamic_bsz": False, f"{A}.ppo_micro_batch_size_per_gpu": per_gpu,
+            f"{R_}.log_prob_micro_batch_size_per_gpu": per_gpu, "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": per_gpu}
+
+
+def _dynamic_sampling(cfg: Recipe) -> dict[str, Any]:
+    on = cfg.method.dynamic_sampling
+    # verl's V1 trainer forces gen_batch_size to 1 with group filtering and ignores max_num_gen_batches:
+    # we write what it runs with, so the effective config is the written one.
+    return {"algorithm.filter_groups.enable": on, "algorithm.filter_groups.metric": "acc",
+            "algorithm.filter_groups.max_num_gen_batches": 0,
+            "data.gen_batch_size": 1 if on else cfg.optim.train_batch_size}
+
+
+def _refuse_refill(cfg: Recipe) -> Optional[tuple[str, str]]:
+    if cfg.method.dynamic_sampling and cfg.rollout.refill != "per_group":
+        return ("rollout.refill", "verl 0.9's V1 replay buffer cannot draw whole generation batches with a cap: it refills one prompt "
+                "per dropped group until the batch is full (gen_batch_size forced to 1, max_num_gen_batches ignored); "
+                "set -o rollout.refill=per_group (also on the embedded backend) or train on the embedded backend")
+    return None
+
+
+def _templates(cfg: Recipe) -> dict[str, Any]:
+    from stare_cli.toy import RAW_CHAT_TEMPLATE
+
+    t = cfg.data.template.value
+    if t in ("raw", "plain") or cfg.model.chat_template == "none":
+        # the prompt text as written by `stare data prepare`, plus a newline: the embedded backend's raw/plain
+        return {"actor_rollout_ref.model.custom_chat_template": RAW_CHAT_TEMPLATE}
+    return {}
+
+
+def _eval(cfg: Recipe) -> dict[str, Any]:
+    E = cfg.eval
+    s = _eval_protocol(cfg)
+    out = {"trainer.test_freq": E.every or -1, "trainer.val_before_train": bool(E.benchmarks)}
+    if s is not None:
+        n, temperature, top_p = s
+        out.update({f"{R_}.val_kwargs.n": n, f"{R_}.val_kwargs.temperature": temperature,
+                    f"{R_}.val_kwargs.top_p": top_p, f"{R_}.val_kwargs.do_sample": True})
+    return out
+
+
+def _eval_protocol(cfg: Recipe) -> Optional[tuple[int, float, float]]:
+    """(n, temperature, top_p) shared by every benchmark evaluated during training, None without
+    benchmarks; raises ValueError listing the benchmarks when they differ."""
+    from benchmarks.registry import check_benchmark
+
+    E = cfg.eval
+    if not E.benchmarks:
+        return None
+    sets = {}
+    for b in E.benchmarks:
+        spec = check_benchmark(b)
+        sets[b] = (E.n or spec.n, spec.temperature if E.temperature is None else E.temperature,
+                   spec.top_p if E.top_p is None else E.top_p)
+    if len(set(sets.values())) > 1:
+        raise ValueError(", ".join(f"{b}: n={v[0]} T={v[1]} top_p={v[2]}" for b, v in sets.items()))
+    return next(iter(sets.values()))
+
+
+def _refuse_eval(cfg: Recipe) -> Optional[tuple[str, str]]:
+    try:
+        _eval_protocol(cfg)
+    except ValueError as e:
+        return ("eval.n", f"verl 0.9 validates every benchmark with one sampling setting, but the benchmarks' protocols differ "
+                f"({e}); set eval.n / eval.temperature / eval.top_p, or evaluate with `stare eval` after training")
+    if cfg.eval.max_tokens is not None and cfg.eval.max_tokens != cfg.rollout.max_response_tokens:
+        return ("eval.max_tokens", "verl 0.9 validates with the rollout's response length; eval.max_tokens must equal "
+                "rollout.max_response_tokens")
+    return None
+
+
+def _run_name(cfg: Recipe) -> str:
+    return cfg.logging.run_name or f"{cfg.name.replace('/', '-')}__{cfg.method.name}__seed{cfg.optim.seed}"
+
+
+TABLE: list[Row] = [
+    # metadata
+    Row(("name", "logging.run_name"), "verl", "experiment name", lambda c: {"trainer.experiment_name": _run_name(c)}),
+    Row(("description", "paper", "backend.name"), "meta", "no effect on training"),
+    # model
+    Row(("model.path",), "verl", "the model directory or hub id (toy: resolved at launch)",
+        lambda c: {"actor_rollout_ref.model.path": c.model.path}),
+    Row(("model.dtype",), "verl", "the rollout engine's weights dtype", lambda c: {f"{R_}.dtype": c.model.dtype.value}),
+    Row(("model.trust_remote_code",), "verl", "", lambda c: {"actor_rollout_ref.model.trust_remote_code": c.model.trust_remote_code,
+                                                           "data.trust_remote_code": c.model.trust_remote_code}),
+    Row(("data.template", "model.chat_template"), "verl",
+        "paper: the model's chat template over the user turn; raw/plain (or chat_template none): the prompt text and a "
+        "newline through a custom chat template", _templates,
+        lambda c: ("data.template", "verl's rollout cannot open the assistant turn with <think> (the r1 template); "
+                   "use the embedded backend") if c.data.template.value == "r1" else None),
+    # data (written by `stare data prepare`; the training run reads the parquet files)
+    Row(("data.train", "data.split", "data.subset", "data.prompt_field", "data.answer_field", "data.max_samples",
+         "eval.limit"), "data", "read when `stare data prepare` writes the parquet files"),
+    Row(("data.shuffle",), "verl", "", lambda c: {"data.shuffle": c.data.shuffle}),
+    # rollout
+    Row(("rollout.n",), "verl", "", lambda c: {f"{R_}.n": c.rollout.n}),
+    Row(("rollout.temperature", "rollout.top_p", "rollout.top_k"), "verl", "",
+        lambda c: {f"{R_}.temperature": c.rollout.temperature, f"{R_}.top_p": c.rollout.top_p, f"{R_}.top_k": c.rollout.top_k}),
+    Row(("rollout.max_prompt_tokens",), "verl", "prompts longer are cut from the left",
+        lambda c: {"data.max_prompt_length": c.rollout.max_prompt_tokens, "data.truncation": "left",
+                   "data.filter_overlong_prompts": False}),
+    Row(("rollout.max_response_tokens",), "verl", "", lambda c: {"data.max_response_length": c.rollout.max_response_tokens}),
+    Row(("method.dynamic_sampling", "rollout.refill", "rollout.gen_batch_size", "rollout.max_gen_batches",
+         "rollout.on_short_batch"), "verl",
+        "verl's replay buffer filters groups on acc (single-response groups kept) and refills per dropped group",
+        _dynamic_sampling, _refuse_refill),
+    Row(("rollout.truncated",), "layer", "grade/zero: the method layer's reward",
+        refuse=lambda c: ("rollout.truncated", "verl's actor takes its loss mask from the rollout; leaving cut responses "
+                          "out of the loss (truncated: mask) is embedded-only") if c.rollout.truncated == "mask" else None),
+    Row(("rollout.engine", "rollout.vllm_gpu_memory_utilization"), "other",
+        "the embedded backend's rollout engine (verl: vLLM, or the HF server with --device cpu)",
+        refuse=_unless_default("rollout.engine", "rollout.vllm_gpu_memory_utilization",
+                               why="the embedded backend's rollout engine settings; verl's are backend.verl.*")),
+    Row(("rollout.tools.enable", "rollout.tools.format", "rollout.tools.max_turns", "rollout.tools.cpu_s",
+         "rollout.tools.wall_s", "rollout.tools.memory_mb", "rollout.tools.output_bytes"), "verl",
+        "verl's tool agent with our sandbox (tools.yaml in the run directory)",
+        lambda c: {f"{R_}.multi_turn.enable": True, f"{R_}.multi_turn.max_assistant_turns": c.rollout.tools.max_turns + 1,
+                   f"{R_}.multi_turn.max_tool_response_length": c.rollout.tools.output_bytes,
+                   f"{R_}.agent.default_agent_loop": "tool_agent"} if c.rollout.tools.enable else {},
+        lambda c: ("rollout.tools.format", f"verl's tool agent parses hermes <tool_call> JSON, not the recipe's "
+                   f"{c.rollout.tools.format} blocks") if c.rollout.tools.enable else None),
+    # optimisation
+    Row(("optim.lr",), "verl", "", lambda c: {f"{A}.optim.lr": c.optim.lr}),
+    Row(("optim.schedule", "optim.warmup_steps"), "verl", "",
+        lambda c: {f"{A}.optim.lr_scheduler_type": c.optim.schedule, f"{A}.optim.lr_warmup_steps": c.optim.warmup_steps or -1,
+                   f"{A}.optim.min_lr_ratio": 0.0, f"{A}.optim.num_cycles": 0.5},
+        lambda c: ("optim.schedule", "verl 0.9.1's FSDP engine has constant and cosine schedules only")
+        if c.optim.schedule == "linear" else None),
+    Row(("optim.weight_decay",), "verl", "", lambda c: {f"{A}.optim.weight_decay": c.optim.weight_decay}),
+    Row(("optim.grad_clip",), "verl", "the engine reads optim.clip_grad (actor.grad_clip is unused in 0.9.1)",
+        lambda c: {f"{A}.optim.clip_grad": c.optim.grad_clip, f"{A}.grad_clip": c.optim.grad_clip}),
+    Row(("optim.train_batch_size",), "verl", "", lambda c: {"data.train_batch_size": c.optim.train_batch_size}),
+    Row(("optim.mini_batch_size",), "verl", "", lambda c: {f"{A}.ppo_mini_batch_size": c.optim.mini_batch_size}),
+    Row(("optim.micro_batch_size", "optim.micro_batch_tokens"), "verl",
+        "token budget: verl's dynamic batch size (per GPU); else rows per GPU", _micro_batches),
+    Row(("optim.ppo_epochs",), "verl", "", lambda c: {f"{A}.ppo_epochs": c.optim.ppo_epochs}),
+    Row(("optim.total_steps",), "verl", "", lambda c: {"trainer.total_training_steps": c.optim.total_steps}),
+    Row(("optim.seed",), "verl", "", lambda c: {"data.seed": c.optim.seed, f"{A}.data_loader_seed": c.optim.seed}),
+    Row(("optim.precision",), "verl", "fp32 master weights; compute dtype from the recipe", _precision),
+    # method: verl's own keys get the recipe's values (effective config), the method layer runs them
+    Row(("method.name",), "layer", "the method layer (our policy loss, advantages, controller)",
+        lambda c: {f"{A}.policy_loss.loss_mode": LOSS_MODE}),
+    Row(("method.adv_estimator", "method.adv_eps"), "layer", "advantages from the method layer (verl's GRPO equals ours)",
+        lambda c: {"algorithm.adv_estimator": "grpo", "algorithm.norm_adv_by_std_in_grpo": c.method.adv_estimator == "grpo"}),
+    Row(("method.clip_low", "method.clip_high", "method.dual_clip"), "layer", "the method layer's loss (verl's keys mirror them)",
+        lambda c: {f"{A}.clip_ratio_low": c.method.clip_low, f"{A}.clip_ratio_high": c.method.clip_high,
+                   f"{A}.clip_ratio_c": c.method.dual_clip if c.method.dual_clip is not None else 1e9}),
+    Row(("method.loss_agg",), "layer", "the method layer's loss (verl's key mirrors it)",
+        lambda c: {f"{A}.loss_agg_mode": c.method.loss_agg, f"{A}.loss_scale_factor":
+                   c.rollout.max_response_tokens if c.method.loss_agg == "seq-mean-token-sum-norm" else None}),
+    Row(("method.entropy_coef",), "layer", "the method layer adds the entropy bonus inside the policy loss; verl's "
+        "entropy_coeff stays 0 so it is not added twice",
+        lambda c: {f"{A}.entropy_coeff": 0.0, f"{A}.calculate_entropy": c.method.entropy_coef > 0 or c.method.name == "entro-adv"}),
+    Row(tuple(f"method.{k}" for k in ("overlong.enable", "overlong.buffer", "overlong.factor", "stare.P", "stare.W",
+                                      "stare.M", "stare.h_tgt", "stare.adaptive", "stare.alpha", "stare.w_max",
+                                      "stare.m_min", "stare.scope", "clip_cov.ratio", "clip_cov.cov_lb",
+                                      "clip_cov.cov_ub", "kl_cov.ratio", "kl_cov.coef", "gspo.clip_low",
+                                      "gspo.clip_high", "entro_adv.alpha", "entro_adv.kappa", "top_entropy_frac",
+                                      "w_reinforce_lambda")),
+        "layer", "the method layer inside verl's processes"),
+    Row(("reward.fn", "reward.format_penalty", "reward.timeout_s"), "layer", "the method layer's reward, as verl's "
+        "reward manager", lambda c: {"reward.reward_manager.source": "importlib",
+                                     "reward.reward_manager.module.path": REWARD_MANAGER[0],
+                                     "reward.reward_manager.name": REWARD_MANAGER[1]}),
+    # evaluation during training
+    Row(("eval.benchmarks",), "data", "validation files written by `stare data prepare`"),
+    Row(("eval.n", "eval.temperature", "eval.top_p", "eval.max_tokens", "eval.every"), "verl",
+        "one sampling setting for all benchmarks", _eval, _refuse_eval),
+    # backends
+    Row(("backend.embedded.device", "backend.embedded.threads", "backend.embedded.length_buckets"), "other",
+        "the embedded backend's section"),
+    Row(("backend.verl.nnodes", "backend.verl.n_gpus_per_node"), "verl", "",
+        lambda c: {"trainer.nnodes": c.backend.verl.nnodes, "trainer.n_gpus_per_node": c.backend.verl.n_gpus_per_node}),
+    Row(("backend.verl.tensor_parallel_size", "backend.verl.gpu_memory_utilization"), "verl", "",
+        lambda c: {f"{R_}.tensor_model_parallel_size": c.backend.verl.tensor_parallel_size,
+                   f"{R_}.gpu_memory_utilization": c.backend.verl.gpu_memory_utilization}),
+    Row(("backend.verl.device",), "verl", "cpu: the CPU debug path's overrides (verl_cpu.py)"),
+    Row(("backend.verl.extra_overrides",), "verl", "appended verbatim"),
+    # logging and checkpoints
+    Row(("logging.wandb", "logging.project"), "verl", "",
+        lambda c: {"trainer.logger": "[console]" if c.logging.wandb == "disabled" else "[console,wandb]",
+                   "trainer.project_name": c.logging.project}),
+    Row(("logging.samples_every", "logging.reflection_words"), "layer",
+        "our driver extension writes samples/ and the reflection-word rate, as the embedded backend"),
+    Row(("checkpoint.every", "checkpoint.keep_last"), "verl", "",
+        lambda c: {"trainer.save_freq": c.checkpoint.every or -1, "trainer.max_actor_ckpt_to_keep": c.checkpoint.keep_last}),
+]
+
+
+def check(cfg: Recipe) -> None:
+    """Fail validation when verl cannot honour the recipe: one line naming the key and the reason."""
+    from stare_cli.backends import check as check_backend
+
+    check_backend(cfg, "verl")
+
+
+def refusals(cfg: Recipe) -> list[tuple[str, str]]:
+    """(key, reason) of every table row that refuses the recipe's values."""
+    return [r for r in (row.refuse(cfg) for row in TABLE if row.refuse is not None) if r is not None]
+
+
+# ---------------------------------------------------------------------------------- the overrides
+def hydra_value(v: Any) -> str:
+    """A Python value as a Hydra override value: strings single-quoted (so any character survives,
+    OmegaConf interpolations escaped), dicts and lists as Hydra literals."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return "'" + v.replace("\\", "\\\\").replace("'", "\\'").replace("${", "\\${") + "'"
+    if isinstance(v, dict):
+        return "{" + ",".join(f"{k}:{hydra_value(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, (list, tuple)):
+        return "[" + ",".join(hydra_value(x) for x in v) + "]"
+    raise TypeError(f"cannot write {type(v).__name__} as a Hydra value")
+
+
+def _plain(v: Any) -> str:
+    """Override values as verl's own scripts write them (numbers, booleans, bare words)."""
+    if isinstance(v, bool):
+        return "True" if v else "False"
+    if isinstance(v, float):
+        return repr(v)
+    if isinstance(v, str) and any(c in v for c in " {}%'\"\n,:"):
+        return hydra_value(v)
+    return str(v)
 
 
 def verl_overrides(cfg: Recipe, run_dir: Optional[Path] = None, data_dir: Optional[Path] = None) -> list[str]:
-    """Hydra overrides of verl's ppo_trainer for this recipe and method (no `+` keys needed)."""
-    from baselines.registry import check_method
-
-    spec = check_method(cfg.method.name)
-    m, R, O, V = cfg.method, cfg.rollout, cfg.optim, cfg.backend.verl
+    """Hydra overrides of verl's ppo_trainer for this recipe (after `check`): the table's
+    translations, the fixed wiring of our extension, the CPU path's values (`--device cpu`), then
+    `backend.verl.extra_overrides` verbatim. `run_dir` and `data_dir` should be absolute on a cluster."""
+    check(cfg)
     data_dir = data_dir or Path("data") / cfg.name.replace("/", "-")
     run_dir = run_dir or Path("runs") / "verl"
-    n_gpus = V.n_gpus_per_node * V.nnodes
-    micro_per_gpu = max(1, O.micro_batch_size // max(1, n_gpus)) if O.micro_batch_size >= n_gpus else 1
-    ov = {
-        # algorithm
-        "algorithm.adv_estimator": "grpo",
-        "algorithm.norm_adv_by_std_in_grpo": m.adv_estimator == "grpo",
-        "algorithm.use_kl_in_reward": False,
-        "algorithm.filter_groups.enable": m.dynamic_sampling,
-        "algorithm.filter_groups.metric": "acc",
-        "algorithm.filter_groups.max_num_gen_batches": R.max_gen_batches if m.dynamic_sampling else 0,
-        # data
+    ov: dict[str, Any] = {}
+    for row in TABLE:
+        if row.to_verl is not None:
+            ov.update(row.to_verl(cfg))
+    ov.update({
         "data.train_files": str(data_dir / "train.parquet"),
         "data.val_files": "[" + ",".join(str(data_dir / bench_file(b)) for b in cfg.eval.benchmarks) + "]"
         if cfg.eval.benchmarks else str(data_dir / "train.parquet"),
         "data.prompt_key": "prompt",
-        "data.max_prompt_length": R.max_prompt_tokens,
-        "data.max_response_length": R.max_response_tokens,
-        "data.train_batch_size": O.train_batch_size,
-        "data.gen_batch_size": R.gen_batch_size if m.dynamic_sampling else O.train_batch_size,
-        "data.truncation": "left",
-        "data.filter_overlong_prompts": True,
-        "data.seed": O.seed,
-        # model
-        "actor_rollout_ref.model.path": cfg.model.path,
-        "actor_rollout_ref.model.trust_remote_code": cfg.model.trust_remote_code,
+        "algorithm.use_kl_in_reward": False,
+        f"{A}.use_kl_loss": False,
         "actor_rollout_ref.model.external_lib": EXT_MODULE,
-        # actor
-        "actor_rollout_ref.actor.optim.lr": O.lr,
-        "actor_rollout_ref.actor.optim.weight_decay": O.weight_decay,
-        "actor_rollout_ref.actor.optim.lr_warmup_steps": O.warmup_steps if O.warmup_steps else -1,
-        "actor_rollout_ref.actor.optim.lr_scheduler_type": O.schedule if O.schedule != "linear" else "constant",
-        "actor_rollout_ref.actor.grad_clip": O.grad_clip,
-        "actor_rollout_ref.actor.ppo_mini_batch_size": O.mini_batch_size,
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": micro_per_gpu,
-        "actor_rollout_ref.actor.ppo_epochs": O.ppo_epochs,
-        "actor_rollout_ref.actor.clip_ratio_low": m.clip_low,
-        "actor_rollout_ref.actor.clip_ratio_high": m.clip_high,
-        "actor_rollout_ref.actor.clip_ratio_c": m.dual_clip if m.dual_clip is not None else 1e9,
-        "actor_rollout_ref.actor.loss_agg_mode": m.loss_agg,
-        "actor_rollout_ref.actor.entropy_coeff": m.entropy_coef,
-        "actor_rollout_ref.actor.use_kl_loss": False,
-        "actor_rollout_ref.actor.policy_loss.loss_mode": LOSS_MODE[spec.loss],
-        "actor_rollout_ref.actor.policy_loss.clip_cov_ratio": m.clip_cov.ratio,
-        "actor_rollout_ref.actor.policy_loss.clip_cov_lb": m.clip_cov.cov_lb,
-        "actor_rollout_ref.actor.policy_loss.clip_cov_ub": m.clip_cov.cov_ub,
-        "actor_rollout_ref.actor.policy_loss.kl_cov_ratio": m.kl_cov.ratio,
-        "actor_rollout_ref.actor.policy_loss.ppo_kl_coef": m.kl_cov.coef,
-        "actor_rollout_ref.actor.fsdp_config.model_dtype": "bf16" if O.precision != "fp32" else "fp32",
-        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": micro_per_gpu,
-        # rollout
-        "actor_rollout_ref.rollout.name": "vllm",
-        "actor_rollout_ref.rollout.n": R.n,
-        "actor_rollout_ref.rollout.temperature": R.temperature,
-        "actor_rollout_ref.rollout.top_p": R.top_p,
-        "actor_rollout_ref.rollout.top_k": R.top_k,
-        "actor_rollout_ref.rollout.tensor_model_parallel_size": V.tensor_parallel_size,
-        "actor_rollout_ref.rollout.gpu_memory_utilization": V.gpu_memory_utilization,
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": micro_per_gpu,
-        "actor_rollout_ref.rollout.val_kwargs.temperature": cfg.eval.temperature,
-        "actor_rollout_ref.rollout.val_kwargs.top_p": cfg.eval.top_p,
-        "actor_rollout_ref.rollout.val_kwargs.n": cfg.eval.n or 32,
-        "actor_rollout_ref.rollout.val_kwargs.do_sample": True,
-        # reward: our grader (verl's default routes math data to a string matcher)
-        "reward.custom_reward_function.path": str(Path(__file__).with_name("verl_reward.py")),
-        "reward.custom_reward_function.name": "compute_score",
-        "reward.reward_manager.name": "dapo" if m.overlong.enable else "naive",
-        # trainer
+        f"{R_}.name": "vllm",
         "trainer.use_v1": True,  # our driver extension patches the V1 trainer
-        "trainer.total_training_steps": O.total_steps,
-        "trainer.nnodes": V.nnodes,
-        "trainer.n_gpus_per_node": V.n_gpus_per_node,
-        "trainer.test_freq": cfg.eval.every or -1,
-        "trainer.save_freq": cfg.checkpoint.every or -1,
-        "trainer.max_actor_ckpt_to_keep": cfg.checkpoint.keep_last,
-        "trainer.project_name": cfg.logging.project,
-        "trainer.experiment_name": cfg.logging.run_name or f"{cfg.name.replace('/', '-')}__{m.name}__seed{O.seed}",
         "trainer.default_local_dir": str(run_dir / "checkpoints"),
-        "trainer.logger": "[console]" if cfg.logging.wandb == "disabled" else "[console,wandb]",
-        "trainer.val_before_train": bool(cfg.eval.benchmarks),
-    }
-    t = R.tools
-    if t.enable:  # verl's multi-turn tool agent with our sandbox (tool config written beside the run)
-        ov.update({
-            "actor_rollout_ref.rollout.multi_turn.enable": True,
-            "actor_rollout_ref.rollout.multi_turn.tool_config_path": str(run_dir / "tools.yaml"),
-            "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": t.max_turns + 1,
-            "actor_rollout_ref.rollout.multi_turn.max_tool_response_length": t.output_bytes,
-            "actor_rollout_ref.rollout.agent.default_agent_loop": "tool_agent",
-        })
-    if O.precision == "fp32":  # verl's FSDP otherwise computes in bf16 (its default mixed precision)
-        ov["+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype"] = "fp32"
-        ov["actor_rollout_ref.rollout.dtype"] = "float32"
-    for item in V.extra_overrides:
-        key, _, value = item.partition("=")
-        ov[key] = value
-    if V.device == "cpu":  # the CPU debug path (verl_cpu.py): its values win over the recipe's
+        "hydra.run.dir": str(run_dir / "hydra"),  # Hydra's output folder inside the run, not ./outputs
+        # The method layer's recipe and the run directory, inside verl's own config: every verl process
+        # that holds the config rebuilds the layer with the same constructor (no environment JSON).
+        "+stare.run_dir": str(run_dir),
+    })
+    if cfg.rollout.tools.enable:
+        ov[f"{R_}.multi_turn.tool_config_path"] = str(run_dir / "tools.yaml")
+    if cfg.backend.verl.device == "cpu":  # the CPU debug path (verl_cpu.py): its values win over the recipe's
         from stare_cli.backends.verl_cpu import cpu_overrides
 
         ov.update(cpu_overrides())
-    out = [f"{k}={_val(v)}" for k, v in ov.items()]
-    if m.overlong.enable:
-        out += [
-            f"+reward.reward_kwargs.overlong_buffer_cfg.enable=True",
-            f"+reward.reward_kwargs.overlong_buffer_cfg.len={m.overlong.buffer}",
-            f"+reward.reward_kwargs.overlong_buffer_cfg.penalty_factor={m.overlong.factor}",
-            "+reward.reward_kwargs.overlong_buffer_cfg.log=False",
-            f"+reward.reward_kwargs.max_resp_len={R.max_response_tokens}",
-        ]
+    out = [f"{k}={_plain(v)}" for k, v in ov.items()]
+    out.append(f"+stare.recipe={hydra_value(cfg.model_dump(mode='json'))}")
+    out += list(cfg.backend.verl.extra_overrides)
     return out
 
 
@@ -169,16 +365,9 @@ def bench_file(bench: str) -> str:
     return bench.replace(":", "-").replace("/", "-") + ".parquet"
 
 
-def _val(v) -> str:
-    if isinstance(v, bool):
-        return "True" if v else "False"
-    if isinstance(v, float):
-        return repr(v)
-    return str(v)
-
-
 def compose(overrides: list[str]):
-    """verl's full config from the overrides, offline, then verl's own validate_config."""
+    """verl's full config from the overrides, offline, then verl's own validate_config (Hydra's own
+    `hydra.*` settings apply to a launched run only and are left out)."""
     import verl
     from hydra import compose as hcompose
     from hydra import initialize_config_dir
@@ -189,9 +378,24 @@ def compose(overrides: list[str]):
     cfg_dir = str(Path(verl.__file__).parent / "trainer" / "config")
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=cfg_dir, version_base=None):
-        conf = hcompose(config_name="ppo_trainer", overrides=overrides)
+        conf = hcompose(config_name="ppo_trainer", overrides=[o for o in overrides if not o.startswith("hydra.")])
     validate_config(conf, use_reference_policy=False, use_critic=False)
     return conf
+
+
+def describe(cfg: Recipe) -> list[str]:
+    """What the method layer will run inside verl (for --dry-run): method, reward, STARE's values."""
+    from stare_cli.method_layer import MethodLayer
+
+    layer = MethodLayer.from_recipe(cfg)
+    m = cfg.method
+    lines = [f"method: {layer.spec.name} ({layer.spec.summary})",
+             f"reward: {cfg.reward.fn} (format_penalty={cfg.reward.format_penalty}, truncated={cfg.rollout.truncated})"]
+    if layer.spec.stare:
+        s = m.stare
+        lines.append(f"stare: variant={layer.spec.stare} scope={s.scope} P={s.P} W={s.W} M={s.M} h_tgt={s.h_tgt} "
+                     f"adaptive={s.adaptive} alpha={s.alpha} w_max={s.w_max} m_min={s.m_min}")
+    return lines
 
 
 def launch_command(cfg: Recipe, overrides: list[str]) -> list[str]:
@@ -199,11 +403,9 @@ def launch_command(cfg: Recipe, overrides: list[str]) -> list[str]:
 
 
 def environment(cfg: Recipe, run_dir: Path) -> dict[str, str]:
-    env = {
-        "VERL_USE_EXTERNAL_MODULES": EXT_MODULE,
-        "STARE_VERL_METHOD": json.dumps(method_payload(cfg)),
-        "STARE_RUN_DIR": str(run_dir),
-    }
+    """Environment of verl's processes: which modules verl imports (module names only; the method's
+    configuration travels in verl's config)."""
+    env = {"VERL_USE_EXTERNAL_MODULES": EXT_MODULE}
     if cfg.backend.verl.device == "cpu":
         from stare_cli.backends import verl_cpu
 
@@ -285,7 +487,10 @@ def run(cfg: Recipe, out_root: Path, dry_run: bool = False, emit_script: Optiona
     from stare_cli.errors import StareError
     from stare_cli.runs import new_run_dir, write_run_meta
 
+    check(cfg)
     if dry_run:
+        for line in describe(cfg):
+            print(f"# {line}")
         for o in verl_overrides(cfg, data_dir=data_dir):
             print(o)
         return None
@@ -305,6 +510,8 @@ def run(cfg: Recipe, out_root: Path, dry_run: bool = False, emit_script: Optiona
         atomic_write_text(run_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
     else:
         run_dir = new_run_dir(cfg, out_root)
+    run_dir = run_dir.resolve()  # verl's processes may run elsewhere: absolute paths only
+    data_dir = data_dir.resolve() if data_dir is not None else (Path("data") / cfg.name.replace("/", "-")).resolve()
     overrides = verl_overrides(cfg, run_dir=run_dir, data_dir=data_dir)
     if cfg.rollout.tools.enable:
         import yaml
@@ -313,7 +520,10 @@ def run(cfg: Recipe, out_root: Path, dry_run: bool = False, emit_script: Optiona
 
         t = cfg.rollout.tools
         (run_dir / "tools.yaml").write_text(yaml.safe_dump(tool_config(t.cpu_s, t.wall_s, t.memory_mb, t.output_bytes)))
-    write_run_meta(run_dir, cfg, {"backend": "verl", "overrides": overrides, "resumed_at_step": resumed_at})
+    from stare_cli.method_layer import MethodLayer
+
+    write_run_meta(run_dir, cfg, {"backend": "verl", "overrides": overrides, "resumed_at_step": resumed_at,
+                                  "reward_grader": MethodLayer.from_recipe(cfg).reward_function().grader.tag})
     if emit_script:
         emit_script.write_text(ray_job_script(cfg, overrides, run_dir))
         emit_script.chmod(0o755)

@@ -1,129 +1,214 @@
-"""Our methods inside verl 0.9.x: imported in every verl process (VERL_USE_EXTERNAL_MODULES and
-actor_rollout_ref.model.external_lib name this module); it acts only where STARE_VERL_METHOD is set.
+"""Our methods inside verl 0.9.x, through the method layer (stare_cli/method_layer.py).
 
-In verl's driver (the process that runs verl's V1 PPOTrainer.fit, main_ppo's default):
-- after verl's `_compute_advantage` (GRPO advantages, one per response, in TransferQueue), the
-  token entropies and log-probs of the old-log-prob pass are read back, the STARE controller is
-  updated once per step with their token-mean over the response mask (the number verl logs as
-  actor/entropy under token-mean aggregation), and `transform_advantages` applies the method's
-  token-level transform (STARE weights, the 80/20 mask, EntroAdv, W-REINFORCE); the result replaces
-  the advantages in TransferQueue before the actor update;
-- the controller state is saved beside verl's checkpoints and restored with them;
-- every metrics row verl logs is mirrored into $STARE_RUN_DIR/metrics.jsonl (with the controller's
-  gate, W and M), so `stare compare` reads verl runs like embedded ones.
+Imported in every verl process (VERL_USE_EXTERNAL_MODULES and actor_rollout_ref.model.external_lib name
+this module). It registers our policy loss (`stare_layer`) in verl's loss registry and patches verl's
+V1 trainer and actor loss; every patch acts only in runs whose verl config carries a `stare.recipe`
+(written by verl_backend.py), so importing this module elsewhere changes nothing.
+
+- Driver (the process running verl's V1 PPOTrainer): after verl's `_compute_advantage` the layer is
+  rebuilt from `config.stare.recipe` with its one constructor; `driver_step` reads the batch's
+  rewards, groups, response mask, old log-probs and entropies from TransferQueue, updates the STARE
+  controller once per step with the token-mean entropy (verl's `actor/entropy`), runs the layer's
+  advantages and batch transform, and the result replaces verl's advantages. The recipe and the
+  controller's state (gate, W, M) go to the actor with the batch (`extra_info["stare_layer"]`), the
+  way the official code passes its controller through `meta_info`. The controller's state is saved
+  beside verl's checkpoints and restored with them; every metrics row verl logs is mirrored into the
+  run directory's metrics.jsonl; rollout samples are written every `logging.samples_every` steps.
+- Actor: verl's `ppo_loss` is wrapped so that our registered policy loss sees the current entropy and
+  the step's controller state; that policy loss is the layer's `loss`, called once per micro-batch
+  verl forms, so official-scope STARE selects exactly where the official code does.
+- Reward workers: verl_reward.py (a verl reward manager around the layer's `score`).
 """
 
 from __future__ import annotations
 
+import contextvars
 import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-
-def transform_advantages(payload: dict, controller, adv: torch.Tensor, mask: torch.Tensor, old_log_prob: torch.Tensor,
-                         entropy: Optional[torch.Tensor], token_rewards: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    """The method's advantage transform on [B, T] tensors; returns (advantages, metrics)."""
-    from baselines import entro_adv, top_entropy_mask, w_reinforce_advantage
-
-    metrics: dict[str, float] = {}
-    m = mask.to(adv.dtype)
-    if payload.get("w_reinforce"):
-        adv = w_reinforce_advantage(token_rewards.sum(-1), payload["w_reinforce_lambda"]).to(adv.dtype)[:, None] * m
-    if payload.get("entro_adv"):
-        c = payload["entro_adv_cfg"]
-        adv = entro_adv(adv, entropy, c["alpha"], c["kappa"]) * m
-    if payload.get("top_entropy"):
-        adv = adv * top_entropy_mask(entropy, mask, payload["top_entropy_frac"]).to(adv.dtype)
-    if payload.get("stare"):
-        w = controller.weights(adv, old_log_prob, mask)
-        adv = adv * w.to(adv.dtype)
-        n = m.sum().clamp(min=1)
-        metrics.update({"stare/gate": float(controller.gate), "stare/W": controller.W, "stare/M": controller.M,
-                        "stare/sel_pos": float(((w > 1) & (mask > 0)).sum() / n),
-                        "stare/sel_neg": float(((w < 1) & (mask > 0)).sum() / n)})
-    return adv, metrics
+LAYER_KEY = "stare_layer"  # the batch's extra_info entry the actor reads
 
 
-def make_controller(payload: dict):
-    from baselines import StareController
-
-    c = payload["stare_cfg"]
-    return StareController(variant=payload.get("stare") or "o1", P=c["P"], W=c["W"], M=c["M"], h_tgt=c["h_tgt"],
-                           adaptive=c["adaptive"], alpha=c["alpha"], w_max=c["w_max"], m_min=c["m_min"])
+# ------------------------------------------------------------------------------- the layer, cached
+_LAYERS: dict[str, Any] = {}
 
 
-def install(payload: dict, run_dir: Optional[Path]) -> None:  # pragma: no cover - runs inside verl's driver
-    """Patch verl's V1 trainer (main_ppo's default, `trainer.use_v1=True`) in this process."""
+def layer_for(recipe: Any):
+    """The method layer of a serialised recipe (a dict or OmegaConf node), one per process and recipe."""
+    from omegaconf import DictConfig, OmegaConf
+
+    from stare_cli.method_layer import MethodLayer
+
+    if isinstance(recipe, DictConfig):
+        recipe = OmegaConf.to_container(recipe, resolve=True)
+    key = json.dumps(recipe, sort_keys=True)
+    if key not in _LAYERS:
+        _LAYERS[key] = MethodLayer.from_recipe(recipe)
+    return _LAYERS[key]
+
+
+def recipe_of(config: Any) -> Optional[dict]:
+    """The recipe a verl config carries (None: not a stare run)."""
+    from omegaconf import OmegaConf
+
+    stare = config.get("stare", None) if config is not None else None
+    if stare is None or stare.get("recipe", None) is None:
+        return None
+    return OmegaConf.to_container(stare.recipe, resolve=True)
+
+
+# -------------------------------------------------------------------------------------- the driver
+@dataclass
+class DriverStep:
+    """The driver's result for one batch: token advantages [B, T], metrics, the actor's payload."""
+
+    advantages: torch.Tensor
+    metrics: dict[str, float]
+    payload: dict[str, Any]
+
+
+def driver_step(layer, recipe: dict, uids: list, rm_scores: torch.Tensor, response_mask: torch.Tensor,
+                old_log_probs: torch.Tensor, entropy: torch.Tensor) -> DriverStep:
+    """Controller update and batch transform for one batch of padded [B, T] tensors (uids: [B] group
+    ids as verl keeps them). The controller sees the token-mean entropy over the response mask, the
+    number verl logs as actor/entropy under token-mean aggregation."""
+    from stare_cli.method_layer import BatchInputs
+
+    index = {u: i for i, u in enumerate(dict.fromkeys(uids))}
+    m = response_mask.float()
+    H = float((entropy.float() * m).sum() / m.sum().clamp(min=1))
+    state, metrics = layer.begin_step(H)
+    bt = layer.transform_batch(BatchInputs(
+        rewards=rm_scores.float().sum(-1), group=torch.tensor([index[u] for u in uids]), mask=m,
+        old_log_prob=old_log_probs.float(), entropy=entropy.float(),
+        finished=torch.ones(len(uids), dtype=torch.bool)), state)
+    metrics.update(bt.metrics)
+    return DriverStep(bt.advantages, metrics, {"recipe": recipe, "state": None if state is None else state.to_dict()})
+
+
+def _install_driver() -> None:  # pragma: no cover - runs inside verl's driver (tests/test_verl_cpu.py)
+    """Patch verl's V1 trainer (main_ppo's default, `trainer.use_v1=True`)."""
     from verl.trainer.ppo.v1 import trainer_base
     from verl.utils import tracking
 
     if getattr(trainer_base, "_stare_installed", False):
         return
     trainer_base._stare_installed = True
-    controller = make_controller(payload)
-    state: dict[str, Any] = {"metrics": {}}
     Trainer = trainer_base.PPOTrainer
+
+    def layer_of(trainer):
+        recipe = recipe_of(trainer.config)
+        return (None, None) if recipe is None else (layer_for(recipe), recipe)
 
     orig_adv = Trainer._compute_advantage
 
     def _compute_advantage(self, batch, metrics):
-        # verl's GRPO path broadcasts one advantage per response; the token-level transform comes
-        # after it, on the same padded layout verl uses, and is written back in verl's format.
+        layer, recipe = layer_of(self)
+        batch = orig_adv(self, batch, metrics)
+        if layer is None:
+            return batch
+        import numpy as np
         import transfer_queue as tq
         from tensordict import TensorDict
         from verl.workers.utils.padding import response_to_nested
 
-        batch = orig_adv(self, batch, metrics)
-        fields = ["advantages", "response_mask", "old_log_probs", "entropy", "rm_scores"]
+        fields = ["uid", "response_mask", "old_log_probs", "entropy", "rm_scores", "responses", "extra_fields"]
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
         nested_mask = data["response_mask"]
+        uids = list(np.array(data.pop("uid").tolist(), dtype=object))
+        responses = data.pop("responses")
+        real = [not tag.get("is_padding", False) for tag in batch.tags]
+        infos = [getattr(x, "data", x) for x in data.pop("extra_fields").tolist()]
         padded = data.to_padded_tensor()
-        adv, mask, ent = padded["advantages"], padded["response_mask"], padded["entropy"].float()
-        m = mask.float()
-        controller.update(float((ent * m).sum() / m.sum().clamp(min=1)))  # token-mean H of the old-log-prob pass
-        adv, step_metrics = transform_advantages(payload, controller, adv, mask, padded["old_log_probs"], ent,
-                                                 padded["rm_scores"])
-        out = TensorDict({"advantages": response_to_nested(adv, nested_mask)}, batch_size=len(batch))
-        batch = tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=out)
-        metrics.update(step_metrics)
-        state["metrics"] = step_metrics
+        out = driver_step(layer, recipe, uids, padded["rm_scores"], padded["response_mask"], padded["old_log_probs"],
+                          padded["entropy"])
+        batch = tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
+                                fields=TensorDict({"advantages": response_to_nested(out.advantages, nested_mask)},
+                                                  batch_size=len(batch)))
+        batch.extra_info[LAYER_KEY] = out.payload
+        texts = self.tokenizer.batch_decode([r.tolist() for r in responses.unbind()], skip_special_tokens=True)
+        out.metrics.update(_step_text_metrics(self, layer, texts, padded["rm_scores"].sum(-1).tolist(), uids))
+        out.metrics.update(reward_info_means([i for i, r in zip(infos, real) if r]))
+        metrics.update(out.metrics)
         return batch
 
     orig_save = Trainer._save_checkpoint
 
     def _save_checkpoint(self, *a, **k):
         r = orig_save(self, *a, **k)
-        folder = Path(self.config.trainer.default_local_dir) / f"global_step_{self.global_steps}"
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "stare_controller.json").write_text(json.dumps(controller.state_dict()))
+        layer, _ = layer_of(self)
+        if layer is not None and layer.controller is not None:
+            folder = Path(self.config.trainer.default_local_dir) / f"global_step_{self.global_steps}"
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "stare_controller.json").write_text(json.dumps(layer.controller.state_dict()))
         return r
 
     orig_load = Trainer._load_checkpoint
 
     def _load_checkpoint(self, *a, **k):
         r = orig_load(self, *a, **k)
+        layer, _ = layer_of(self)
         f = Path(self.config.trainer.default_local_dir) / f"global_step_{self.global_steps}" / "stare_controller.json"
-        if self.global_steps and f.exists():
-            controller.load_state_dict(json.loads(f.read_text()))
+        if layer is not None and layer.controller is not None and self.global_steps and f.exists():
+            layer.controller.load_state_dict(json.loads(f.read_text()))
         return r
 
+    orig_init = tracking.Tracking.__init__
     orig_log = tracking.Tracking.log
 
+    def __init__(self, *a, config=None, **k):
+        orig_init(self, *a, config=config, **k)
+        stare = (config or {}).get("stare") if isinstance(config, dict) else None
+        self._stare_run_dir = Path(stare["run_dir"]) if stare and stare.get("run_dir") else None
+
     def log(self, data, step, backend=None):
+        run_dir = getattr(self, "_stare_run_dir", None)
         if run_dir is not None:
-            row = {"step": step, **mirror_keys(data)}
             with open(run_dir / "metrics.jsonl", "a") as fh:
-                fh.write(json.dumps(row, default=float) + "\n")
+                fh.write(json.dumps({"step": step, **mirror_keys(data)}, default=float) + "\n")
         return orig_log(self, data, step, backend) if backend is not None else orig_log(self, data, step)
 
     Trainer._compute_advantage = _compute_advantage
     Trainer._save_checkpoint = _save_checkpoint
     Trainer._load_checkpoint = _load_checkpoint
+    tracking.Tracking.__init__ = __init__
     tracking.Tracking.log = log
+
+
+def _step_text_metrics(trainer, layer, texts: list[str], rewards: list[float], uids: list) -> dict[str, float]:
+    """The reflection-word rate of the batch and, every logging.samples_every steps, a samples file
+    (the embedded backend's samples/step-N.jsonl), from the decoded responses."""
+    from benchmarks.metrics import reflection_rate
+
+    L = layer.recipe.logging
+    step = trainer.global_steps
+    run_dir = recipe_run_dir(trainer.config)
+    if L.samples_every and step % L.samples_every == 0 and run_dir is not None:
+        (run_dir / "samples").mkdir(parents=True, exist_ok=True)
+        with open(run_dir / "samples" / f"step-{step:06d}.jsonl", "w") as f:
+            for t, r, u in list(zip(texts, rewards, uids))[:64]:
+                f.write(json.dumps({"group": str(u), "reward": r, "response": t}) + "\n")
+    return {"reflection_rate": reflection_rate(texts, L.reflection_words)}
+
+
+def reward_info_means(infos: list) -> dict[str, float]:
+    """Means of what our reward manager recorded per response (acc, format, official_score) over the
+    trained batch (verl drops filtered groups before this point; the embedded backend's means are
+    over every response drawn)."""
+    keys = ("acc", "format", "official_score")
+    rows = [(i or {}).get("reward_extra_info", {}) if isinstance(i, dict) else {} for i in infos]
+    return {k: sum(float(r[k]) for r in rows) / len(rows) for k in keys if rows and all(k in r for r in rows)}
+
+
+def recipe_run_dir(config: Any) -> Optional[Path]:
+    stare = config.get("stare", None)
+    return Path(stare.run_dir) if stare is not None and stare.get("run_dir", None) else None
 
 
 MIRROR = {"critic/rewards/mean": "reward", "actor/entropy": "entropy", "response_length/mean": "len/mean",
@@ -132,12 +217,102 @@ MIRROR = {"critic/rewards/mean": "reward", "actor/entropy": "entropy", "response
 
 
 def mirror_keys(data: dict) -> dict:
-    """verl's metric names plus ours (reward, entropy, len/mean, ...) for the same numbers."""
+    """verl's metric names plus ours (reward, entropy, len/mean, ...) for the same numbers; the
+    method layer's loss statistics, which verl files under actor/, also under their own names."""
     out = {k: (float(v) if hasattr(v, "__float__") else v) for k, v in data.items()}
     for src, dst in MIRROR.items():
         if src in data:
             out[dst] = float(data[src])
+    for k, v in data.items():
+        if k.startswith("actor/stare/"):
+            out[k.removeprefix("actor/")] = float(v)
     return out
+
+
+# --------------------------------------------------------------------------------------- the actor
+@dataclass
+class _Call:
+    """What one verl loss call hands our policy loss besides verl's arguments."""
+
+    layer: Any
+    entropy: Optional[torch.Tensor]
+    state: Any  # StareState or None
+
+
+_CALL: contextvars.ContextVar[Optional[_Call]] = contextvars.ContextVar("stare_loss_call", default=None)
+
+
+def verl_agg(loss_agg_mode: str, config: Any):
+    """Our Agg from verl's global batch info: verl divides by the global counts and multiplies by
+    dp_size, which is dividing by the counts over dp_size."""
+    from baselines import Agg
+
+    info = dict(getattr(config, "global_batch_info", {}) or {})
+    dp = info.get("dp_size", 1) or 1
+    n_tok, n_seq = info.get("batch_num_tokens"), info.get("global_batch_size")
+    return Agg(loss_agg_mode, num_tokens=None if n_tok is None else n_tok / dp,
+               num_seqs=None if n_seq is None else n_seq / dp, scale=info.get("loss_scale_factor"))
+
+
+def layer_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
+                      rollout_is_weights=None):
+    """verl's policy-loss signature around the method layer's loss (registered as `stare_layer`)."""
+    from stare_cli.method_layer import LossInputs
+
+    call = _CALL.get()
+    if call is None:
+        raise RuntimeError("the stare_layer policy loss runs inside stare's wrapped ppo_loss only "
+                           "(the batch carries no method-layer payload)")
+    if rollout_is_weights is not None:  # verl multiplies token losses by these; so does scaling A (w > 0)
+        advantages = advantages * rollout_is_weights
+    loss, stats = call.layer.loss(LossInputs(
+        log_prob=log_prob, old_log_prob=old_log_prob, advantages=advantages, mask=response_mask.float(),
+        agg=verl_agg(loss_agg_mode, config), entropy=call.entropy, stare=call.state))
+    names = {"clip_frac": "actor/pg_clipfrac", "clip_frac_lower": "actor/pg_clipfrac_lower", "ppo_kl": "actor/ppo_kl"}
+    return loss, {names.get(k, k if k.startswith("stare/") else f"actor/{k}"): float(v) for k, v in stats.items()}
+
+
+def wrap_ppo_loss(orig):
+    """verl's ppo_loss, with the current entropy and the step's controller state made available to
+    our policy loss when the batch carries the method layer's payload."""
+    if getattr(orig, "_stare", False):
+        return orig
+
+    def ppo_loss(config, model_output, data, dp_group=None):
+        from verl.utils import tensordict_utils as tu
+        from verl.workers.utils.padding import no_padding_2_padding
+
+        from stare_cli.method_layer import StareState
+
+        payload = tu.get_non_tensor_data(data=data, key=LAYER_KEY, default=None)
+        if payload is None:
+            return orig(config, model_output, data, dp_group)
+        entropy = model_output.get("entropy", None)
+        state = payload.get("state")
+        token = _CALL.set(_Call(layer_for(payload["recipe"]),
+                                None if entropy is None else no_padding_2_padding(entropy, data).float(),
+                                None if state is None else StareState.from_dict(state)))
+        try:
+            return orig(config, model_output, data, dp_group)
+        finally:
+            _CALL.reset(token)
+
+    ppo_loss._stare = True
+    return ppo_loss
+
+
+def _install_actor() -> None:
+    """Register our policy loss and wrap verl's ppo_loss wherever verl bound it."""
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, register_policy_loss
+    from verl.workers.utils import losses
+
+    if "stare_layer" not in POLICY_LOSS_REGISTRY:
+        register_policy_loss("stare_layer")(layer_policy_loss)
+    orig = losses.ppo_loss
+    new = wrap_ppo_loss(orig)
+    if new is not orig:
+        losses.ppo_loss = new
+        _rebind_in_verl("ppo_loss", orig, new)
 
 
 def _plain_tokenizer_support() -> None:
@@ -187,10 +362,8 @@ def _rebind_in_verl(attr: str, old, new) -> None:
             setattr(mod, attr, new)
 
 
-try:  # our losses under our method names, in every process that has verl (actor workers look them up)
-    from baselines.verl_adapter import register_all
-
-    register_all()
+try:  # our policy loss and the ppo_loss wrapper, in every process that has verl (actor workers use them)
+    _install_actor()
 except ImportError:
     pass
 
@@ -199,10 +372,8 @@ if os.environ.get("VERL_PLATFORM") == "stare_cpu":  # the CPU platform must exis
 
     verl_cpu.install()
 
-_payload = os.environ.get("STARE_VERL_METHOD")
-if _payload:  # only in runs we launched; importing this module elsewhere changes nothing
+try:  # the driver patches act only for trainers whose config carries stare.recipe
     _plain_tokenizer_support()
-    try:
-        install(json.loads(_payload), Path(os.environ["STARE_RUN_DIR"]) if os.environ.get("STARE_RUN_DIR") else None)
-    except ImportError:  # a process without verl's trainer (e.g. a rollout worker): nothing to patch
-        pass
+    _install_driver()
+except ImportError:  # a process without verl's trainer (e.g. a rollout worker): nothing to patch
+    pass
