@@ -29,12 +29,12 @@ from torch import Tensor
 Variant = Literal["o1", "c2"]
 
 
-def _top_k_positions(old_log_prob: Tensor, members: Tensor, n: int, k: int) -> Tensor:
+def _top_k_positions(log_prob: Tensor, members: Tensor, n: int, k: int) -> Tensor:
     """Flat positions of the k members with the largest surprisal; ties go to the earlier position.
 
-    old_log_prob: flat [N]; members: flat bool [N]; n = members.sum(), known on the host; 0 < k <= n.
-    Each member gets a unique int64 key (the float's bits, which order like the floats for s >= 0,
-    then the position), so a plain top-k is exact and deterministic with no further host sync.
+    log_prob: flat [N]; members: flat bool [N]; n = members.sum(), known on the host; 0 < k <= n.
+    Each member gets a unique int64 key (the surprisal's float bits, which order like the floats for
+    s >= 0, then the position), so a plain top-k is exact and deterministic with no further host sync.
     """
     if members.numel() >= 2**31:
         raise ValueError(f"STARE selection supports fewer than 2**31 tokens per call, got {members.numel()}")
@@ -42,10 +42,10 @@ def _top_k_positions(old_log_prob: Tensor, members: Tensor, n: int, k: int) -> T
         pos = torch.nonzero(members).squeeze(1)
     else:  # no sync: the size is known
         pos = torch.nonzero_static(members, size=n).squeeze(1)
-    # Surprisal of the members only. A log-prob rounded above 0 counts as surprisal 0; "+ 0.0" turns
-    # -0.0 into +0.0. Non-negative float32 bits then order like the floats themselves.
-    s = (-old_log_prob[pos].to(torch.float32)).clamp_(min=0.0) + 0.0
-    key = s.view(torch.int32).to(torch.int64) * 2**31 - pos  # unique; ties go to the earlier position
+    # Surprisal of the members only: |min(log pi, 0)| (a log-prob rounded above 0 counts as surprisal 0,
+    # and abs turns -0.0 into +0.0). Non-negative float32 bits then order like the floats themselves.
+    s = log_prob[pos].to(torch.float32).clamp_(max=0.0).abs_()
+    key = s.view(torch.int32).to(torch.int64).bitwise_left_shift_(31).sub_(pos)  # unique; earlier first on ties
     return pos[torch.topk(key, k, sorted=False).indices]
 
 
@@ -72,36 +72,49 @@ def check_stare_args(P: float, variant: str) -> str:
     return v
 
 
-def stare_sets(adv: Tensor, log_prob: Tensor, mask: Tensor, *, P: float, variant: str) -> tuple[Tensor, Tensor]:
-    """L+ and L- as flat-shaped bool masks [B, T] (L- all False for O1), ignoring the gate.
+def _positions(adv: Tensor, log_prob: Tensor, mask: Tensor, P: float, variant: str) -> tuple[Tensor, Tensor, int]:
+    """(L+ positions, L- positions, valid tokens); see stare_positions. One host read."""
+    variant = check_stare_args(P, variant)
+    olp = log_prob.detach().reshape(-1)
+    flat_mask = mask.reshape(-1).to(adv.dtype)
+    # mask is 0/1, so sign(A * mask) is sign(A) on valid tokens and 0 elsewhere: one pass for both sets.
+    am = adv.reshape(-1) * flat_mask
+    cands = [am > 0] + ([am < 0] if variant == "c2" else [])
+    *counts, n_valid = torch.stack([torch.count_nonzero(m) for m in (*cands, flat_mask)]).tolist()  # the one host read
+    out = []
+    for members, n in zip(cands, counts):
+        k = _k(P, int(n))
+        out.append(_top_k_positions(olp, members, int(n), k) if k else torch.empty(0, dtype=torch.int64, device=adv.device))
+    if variant == "o1":
+        out.append(torch.empty(0, dtype=torch.int64, device=adv.device))
+    return out[0], out[1], int(n_valid)
+
+
+def stare_positions(adv: Tensor, log_prob: Tensor, mask: Tensor, *, P: float, variant: str) -> tuple[Tensor, Tensor]:
+    """Flat positions (into adv.reshape(-1)) of L+ and of L- (empty for O1), ignoring the gate.
 
     Args:
         adv: [B, T] token advantages; log_prob: [B, T] log pi of the sampled tokens (surprisal is
             -log_prob); mask: [B, T] valid response tokens.
         P: fraction selected, in [0, 1]; variant: 'o1' or 'c2' (any case).
     Returns:
-        (L+, L-), each [B, T] bool. At most one host synchronisation (the sizes of T+ and T-).
+        (L+ positions, L- positions), int64 [k+] and [k-]. One host synchronisation (the set sizes).
     """
-    variant = check_stare_args(P, variant)
-    shape = adv.shape
-    olp = log_prob.reshape(-1)
-    # mask is 0/1, so sign(A * mask) is sign(A) on valid tokens and 0 elsewhere: one pass for both sets.
-    am = adv.reshape(-1) * mask.reshape(-1).to(adv.dtype)
-    cands = [am > 0] + ([am < 0] if variant == "c2" else [])
-    counts = torch.stack([torch.count_nonzero(m) for m in cands]).tolist()  # the one host sync
-    out = []
-    for members, n in zip(cands, counts):
-        sel = torch.zeros(olp.shape, dtype=torch.bool, device=adv.device)
-        k = _k(P, int(n))
-        if k:
-            sel[_top_k_positions(olp, members, int(n), k)] = True
-        out.append(sel.reshape(shape))
-    if variant == "o1":
-        out.append(torch.zeros(shape, dtype=torch.bool, device=adv.device))
-    return out[0], out[1]
+    l_pos, l_neg, _ = _positions(adv, log_prob, mask, P, variant)
+    return l_pos, l_neg
 
 
-def stare_weights_and_sets(
+def stare_sets(adv: Tensor, log_prob: Tensor, mask: Tensor, *, P: float, variant: str) -> tuple[Tensor, Tensor]:
+    """L+ and L- as bool masks [B, T] (L- all False for O1), ignoring the gate; see stare_positions."""
+    sets = []
+    for idx in stare_positions(adv, log_prob, mask, P=P, variant=variant):
+        m = torch.zeros(adv.numel(), dtype=torch.bool, device=adv.device)
+        m[idx] = True
+        sets.append(m.view(adv.shape))
+    return sets[0], sets[1]
+
+
+def stare_scale(
     adv: Tensor,
     log_prob: Tensor,
     mask: Tensor,
@@ -110,26 +123,25 @@ def stare_weights_and_sets(
     W: float = 1.1,
     M: float = 0.9,
     variant: Variant = "o1",
-    gate: Union[bool, Tensor] = True,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """STARE token weights w [B, T] (float32) and the sets L+, L- [B, T] (bool) they came from.
+    gate: bool = True,
+) -> tuple[Tensor, int, int, int]:
+    """The effective advantages w * A and the sizes of L+, L- and the valid tokens (the loss call's form).
 
-    The sets are selected whatever the gate (the official code logs their shares also while the
-    gate is off); the weights are W on L+, M on L- (C2), 1 elsewhere, and all 1 while the gate is off.
-    Arguments as `stare_token_weights`.
+    Only the selected tokens are touched: a copy of `adv` with the k+ (and k-) selected entries
+    scaled by W (M) while the gate is on. The sets are selected whatever the gate (the official code
+    logs their shares also while it is off). Arguments as `stare_token_weights`.
+    Returns:
+        (adv_eff [B, T] in adv's dtype, |L+|, |L-|, valid tokens), counted in one host read.
     """
-    variant = check_stare_args(P, variant)
-    if not isinstance(gate, Tensor):
-        gate = bool(gate)
-    l_pos, l_neg = stare_sets(adv, log_prob, mask, P=P, variant=variant)
-    w = torch.ones(adv.shape, dtype=torch.float32, device=adv.device)
-    if gate is not False:
-        w = w.masked_fill(l_pos, float(W))
-        if variant == "c2":
-            w = w.masked_fill(l_neg, float(M))
-        if isinstance(gate, Tensor):
-            w = torch.where(gate.to(device=w.device, dtype=torch.bool), w, torch.ones_like(w))
-    return w, l_pos, l_neg
+    l_pos, l_neg, n_valid = _positions(adv, log_prob, mask, P, variant)
+    out = adv.clone()
+    if bool(gate):
+        flat = out.view(-1)
+        if l_pos.numel():
+            flat[l_pos] *= W
+        if l_neg.numel():
+            flat[l_neg] *= M
+    return out, int(l_pos.numel()), int(l_neg.numel()), n_valid
 
 
 def stare_token_weights(
@@ -161,7 +173,14 @@ def stare_token_weights(
     check_stare_args(P, variant)
     if not isinstance(gate, Tensor) and not bool(gate) or P <= 0:
         return torch.ones(adv.shape, dtype=torch.float32, device=adv.device)
-    return stare_weights_and_sets(adv, old_log_prob, mask, P=P, W=W, M=M, variant=variant, gate=gate)[0]
+    l_pos, l_neg = stare_positions(adv, old_log_prob, mask, P=P, variant=variant)
+    w = torch.ones(adv.numel(), dtype=torch.float32, device=adv.device)
+    w[l_pos] = float(W)
+    w[l_neg] = float(M)
+    w = w.view(adv.shape)
+    if isinstance(gate, Tensor):
+        w = torch.where(gate.to(device=w.device, dtype=torch.bool), w, torch.ones_like(w))
+    return w
 
 
 @dataclass

@@ -49,7 +49,7 @@ from baselines import (
 )
 from baselines.losses import clip_cov_loss, entropy_bonus, gspo_loss, kl_cov_loss, ppo_clip_loss
 from baselines.registry import MethodSpec, UnknownMethodError
-from baselines.stare import stare_weights_and_sets
+from baselines.stare import stare_scale
 from stare_cli.config import Recipe
 from stare_cli.errors import StareError
 
@@ -257,12 +257,13 @@ class MethodLayer:
         return BatchTransform(adv, mask, metrics)
 
     def _stare(self, adv: Tensor, log_prob: Tensor, mask: Tensor, st: StareState) -> tuple[Tensor, dict[str, Tensor]]:
+        """w * A for one selection scope, and the shares of valid tokens in L+ and L- (selected whatever
+        the gate, as the official code logs them)."""
         s = self.cfg.stare
-        w, l_pos, l_neg = stare_weights_and_sets(adv, log_prob, mask, P=s.P, W=st.W, M=st.M,
-                                                 variant=self.spec.stare, gate=st.gate)
-        n = mask.sum().clamp(min=1)
-        return adv * w.to(adv.dtype), {"stare/sel_pos": (l_pos & (mask > 0)).sum() / n,
-                                       "stare/sel_neg": (l_neg & (mask > 0)).sum() / n}
+        adv_eff, k_pos, k_neg, n = stare_scale(adv, log_prob, mask, P=s.P, W=st.W, M=st.M, variant=self.spec.stare,
+                                               gate=st.gate)
+        n = max(n, 1)
+        return adv_eff, {"stare/sel_pos": torch.tensor(k_pos / n), "stare/sel_neg": torch.tensor(k_neg / n)}
 
     # ---- 6. micro-batches
     def micro_batches(self, lengths: Sequence[int]) -> list[list[int]]:

@@ -43,3 +43,20 @@ def quick_toy(tmp_path_factory):
     model.save_pretrained(path, safe_serialization=True)
     tok.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def quick_tool_toy(tmp_path_factory):
+    """The tool toy after a short warm-up (200 steps): it calls the Python tool in some responses."""
+    import torch
+
+    from stare_cli.toy import build_model, build_tokenizer, sft
+
+    path = tmp_path_factory.mktemp("quick_tool_toy")
+    torch.set_num_threads(1)
+    tok = build_tokenizer("tool")
+    model = build_model(len(tok), seed=0)
+    sft(model, tok, steps=200, batch=32, lr=3e-3, seed=0, log_every=0, task="tool")
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return path

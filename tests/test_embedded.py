@@ -130,15 +130,18 @@ def test_stare_scopes_train(cli, tmp_path, quick_toy, scope):
     """official: L+ / L- chosen inside each loss call, on token-budget micro-batches (150 tokens: several
     per mini-batch); batch: once over the training batch. Both log the gate and the selected shares."""
     run = _train(cli, tmp_path, quick_toy, "stare-c2", "optim.total_steps=2", "method.dynamic_sampling=false",
-                 f"method.stare.scope={scope}", "optim.micro_batch_tokens=150")
+                 f"method.stare.scope={scope}", "optim.micro_batch_tokens=150", "reward.fn=stare-official")
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert all(r["stare/gate"] == 1.0 and r["stare/sel_pos"] > 0 and r["stare/sel_neg"] > 0 for r in rows)
+    # the official accuracy beside the official format check and shaped score; the reward is the accuracy
+    assert all(r["reward"] == r["acc"] and {"format", "official_score"} <= set(r) for r in rows)
     assert all(r["micro_batches"] > 2 for r in rows)  # 16 responses of up to 32 + 40 tokens
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
 
 
 def test_per_group_refill_fills_the_batch_one_prompt_per_missing_group(cli, tmp_path, quick_toy):
-    run = _train(cli, tmp_path, quick_toy, "grpo-ds", "optim.total_steps=2", "rollout.refill=per_group")
+    run = _train(cli, tmp_path, quick_toy, "grpo-ds", "optim.total_steps=2", "rollout.refill=per_group",
+                 "reward.fn=stare-official")
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert all(r["train_groups"] == 4 for r in rows)  # always full (no cap)
     assert sum(r["groups_dropped"] for r in rows) > 0 and any(r["gen_batches"] > 1 for r in rows)
@@ -181,6 +184,26 @@ def test_training_with_tools_enabled_logs_tool_metrics(cli, tmp_path, quick_toy)
                  "rollout.tools.enable=true")
     row = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     assert {"tools/calls_per_response", "tools/error_rate", "tools/turns"} <= set(row)
+
+
+def test_tool_toy_evaluation_follows_its_training_reward(cli, tmp_path, quick_tool_toy):
+    """Evaluation during training goes through the training rollout path: the tool runs in the
+    evaluation too, so its accuracy tracks the training accuracy (before, evaluation never ran the
+    tool and scored ~0 while the training reward climbed)."""
+    args = ["train", "--recipe", "tiny/tool", "--method", "grpo-ds", "--out", str(tmp_path / "runs"),
+            "-o", f"model.path={quick_tool_toy}"]
+    for o in ["optim.total_steps=3", "eval.every=1", "eval.limit=48", "method.dynamic_sampling=false",
+              "rollout.gen_batch_size=8", "optim.train_batch_size=8", "optim.mini_batch_size=8",
+              "optim.micro_batch_size=64"]:
+        args += ["-o", o]
+    code, out, err = cli(*args)
+    assert code == 0, err
+    rows = [json.loads(line) for line in Path(out.strip().splitlines()[-1], "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        assert r["tools/calls_per_response"] > 0.1 and r["eval/toy:tool/tool_calls"] > 0.1, r
+    train = sum(r["acc"] for r in rows) / len(rows)
+    evaluated = sum(r["eval/toy:tool/acc"] for r in rows) / len(rows)
+    assert abs(train - evaluated) < 0.2, (train, evaluated)
 
 
 def test_bf16_autocast_trains_on_cpu(cli, tmp_path, quick_toy):

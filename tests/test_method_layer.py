@@ -92,9 +92,9 @@ def test_official_scope_ties_select_as_many_tokens_by_position():
     adv = torch.ones(1, 10)
     lp = -torch.tensor([[1.0, 2.0, 2.0, 2.0, 0.5, 2.0, 0.1, 0.2, 0.3, 0.4]])
     mask = torch.ones(1, 10)
-    from baselines.stare import stare_weights_and_sets
+    from baselines.stare import stare_sets
 
-    w, l_pos, _ = stare_weights_and_sets(adv, lp, mask, P=0.3, W=2.0)  # k = int(10 * 0.3 + 0.999999) = 3
+    l_pos, _ = stare_sets(adv, lp, mask, P=0.3, variant="o1")  # k = int(10 * 0.3 + 0.999999) = 3
     w_ref, _ = official_weights(lp, adv, mask, P=0.3, W=2.0)
     assert int(l_pos.sum()) == int((w_ref == 2.0).sum()) == 3
     assert sorted((-lp)[l_pos].tolist()) == sorted((-lp)[w_ref == 2.0].tolist()) == [2.0, 2.0, 2.0]

@@ -101,7 +101,7 @@ def official_scope(args) -> None:
 
     def ours():
         for lp, _, adv, mask in micro:
-            _, stats = layer._stare(adv, lp, mask, state)
+            _, stats = layer._stare(adv, lp, mask, state)  # what the layer's loss call runs
             [float(x) for x in stats.values()]  # the trainer logs the shares as numbers
 
     def official():
