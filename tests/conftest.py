@@ -9,7 +9,15 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED = Path(os.environ.get("STARE_SHARED", REPO.parent / "shared"))
-BENCH_DATA = SHARED / "data" / "benchmarks"
+BENCH_DATA = SHARED / "data" / "benchmarks"  # the full benchmark files (CI has ../shared; a fresh clone may not)
+FIXTURE_DATA = REPO / "tests" / "fixtures" / "benchmarks"  # a few rows per benchmark, shipped with the tests
+
+
+def full_benchmarks() -> Path:
+    """The full benchmark files, or a skip (with the reason) when ../shared is not beside the clone."""
+    if not (BENCH_DATA / "aime24.jsonl").exists():
+        pytest.skip(f"needs the full benchmark files in {BENCH_DATA} (../shared is not beside this clone)")
+    return BENCH_DATA
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")

@@ -18,21 +18,29 @@ from benchmarks.grading import Grader, extract_answer, grade
 from benchmarks.metrics import benchmark_metrics, majority_correct, pass_at_k
 from benchmarks.registry import BENCHMARKS, PAPER_ORDER, expand, load_benchmark
 from benchmarks.templates import INSTRUCTION, build_prompt
-from conftest import BENCH_DATA, REPO
+from conftest import FIXTURE_DATA, REPO, full_benchmarks
 
 
 # --------------------------------------------------------------------------------------- grading
-def test_every_gold_grades_correct_as_a_response():
+def _golds_grade_correct(data: Path, full: bool) -> None:
     golds = []
     for b in PAPER_ORDER:
-        rows = load_benchmark(b, data_file=str(BENCH_DATA / f"{b}.jsonl"))
-        assert len(rows) == BENCHMARKS[b].size
+        rows = load_benchmark(b, data_file=str(data / f"{b}.jsonl"))
+        assert len(rows) == (BENCHMARKS[b].size if full else 6)
         golds += [r["answer"] for r in rows]
-    assert len(golds) == 1546
+    assert len(golds) == (1546 if full else 36)
     with Grader(workers=2) as g:
         verdicts = g.grade_many([f"Let me think.\nSo the result is \\boxed{{{a.strip('$')}}}." for a in golds], golds)
     wrong = [(a, v.reason) for a, v in zip(golds, verdicts) if not v.correct]
     assert wrong == []
+
+
+def test_every_gold_of_the_fixtures_grades_correct_as_a_response():
+    _golds_grade_correct(FIXTURE_DATA, full=False)
+
+
+def test_every_gold_of_the_full_benchmarks_grades_correct_as_a_response():
+    _golds_grade_correct(full_benchmarks(), full=True)
 
 
 @pytest.mark.parametrize(
@@ -107,7 +115,7 @@ def test_avg_and_maj_hand_made():
 
 # ------------------------------------------------------------------------------- data, templates
 def test_instruction_is_not_doubled():
-    row = load_benchmark("amc23", limit=1, data_file=str(BENCH_DATA / "amc23.jsonl"))[0]
+    row = load_benchmark("amc23", limit=1, data_file=str(FIXTURE_DATA / "amc23.jsonl"))[0]
     assert row["problem"].endswith(INSTRUCTION)
     prompt = build_prompt(row["problem"], "plain")
     assert prompt.count(INSTRUCTION) == 1
@@ -116,8 +124,8 @@ def test_instruction_is_not_doubled():
 
 def test_paper_expands_in_order_and_local_dir(monkeypatch):
     assert expand(["paper"]) == list(PAPER_ORDER)
-    monkeypatch.setenv("STARE_DATA_DIR", str(BENCH_DATA))
-    assert len(load_benchmark("minerva")) == 272
+    monkeypatch.setenv("STARE_DATA_DIR", str(FIXTURE_DATA))
+    assert len(load_benchmark("minerva")) == 6
 
 
 def test_hub_failure_says_how_to_use_a_local_file(tmp_path):
@@ -137,9 +145,16 @@ def tiny_model(tmp_path_factory):
     return make_random_init(tmp_path_factory.mktemp("tiny_eval_model"))
 
 
-def _eval_args(model, out, bench="math500", limit=3, n=2):
+def _eval_args(model, out, bench="math500", limit=3, n=2, data=None):
+    data = data or FIXTURE_DATA / f"{bench}.jsonl"
     return ["eval", "--bench", bench, "--model", str(model), "--limit", str(limit), "-n", str(n), "--out", str(out),
-            "--max-tokens", "12", "--data-file", str(BENCH_DATA / f"{bench}.jsonl"), "--engine", "hf", "--workers", "0"]
+            "--max-tokens", "12", "--data-file", str(data), "--engine", "hf", "--workers", "0"]
+
+
+def _many_problems(path: Path, k: int) -> Path:
+    """k arithmetic problems: enough for several generation chunks of 8."""
+    path.write_text("".join(json.dumps({"problem": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n" for i in range(k)))
+    return path
 
 
 def test_eval_end_to_end_writes_both_files(cli, tmp_path, tiny_model):
@@ -177,11 +192,12 @@ def test_eval_grader_is_recorded_and_a_new_grader_regrades_without_generating(cl
 
 def test_eval_killed_midway_resumes_to_the_same_results(cli, tmp_path, tiny_model):
     ref_out, out = tmp_path / "ref", tmp_path / "killed"
-    args = _eval_args(tiny_model, ref_out, limit=24, n=2)
+    data = _many_problems(tmp_path / "p.jsonl", 24)
+    args = _eval_args(tiny_model, ref_out, limit=24, n=2, data=data)
     code, _, err = cli(*args)
     assert code == 0, err
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.Popen([sys.executable, "-m", "stare_cli", *_eval_args(tiny_model, out, limit=24, n=2)],
+    p = subprocess.Popen([sys.executable, "-m", "stare_cli", *_eval_args(tiny_model, out, limit=24, n=2, data=data)],
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=REPO)
     samples = out / "math500" / "samples.jsonl"
     deadline = time.time() + 120
@@ -190,7 +206,7 @@ def test_eval_killed_midway_resumes_to_the_same_results(cli, tmp_path, tiny_mode
     os.kill(p.pid, signal.SIGKILL)
     p.wait()
     assert samples.exists() and not (out / "math500" / "results.json").exists() or p.returncode != 0
-    code, _, err = cli(*_eval_args(tiny_model, out, limit=24, n=2))
+    code, _, err = cli(*_eval_args(tiny_model, out, limit=24, n=2, data=data))
     assert code == 0, err
     a = json.loads((ref_out / "math500" / "results.json").read_text())
     b = json.loads((out / "math500" / "results.json").read_text())
@@ -210,7 +226,7 @@ def test_lm_eval_task_files_point_at_the_same_data_and_grader(tmp_path):
     _Loader.add_constructor("!function", lambda loader, node: f"!function {loader.construct_scalar(node)}")
     import os
 
-    os.environ["STARE_DATA_DIR"] = str(BENCH_DATA)
+    os.environ["STARE_DATA_DIR"] = str(FIXTURE_DATA)
     try:
         names = write_tasks(["aime24", "math500"], tmp_path, None, None, None, None)
     finally:
@@ -218,7 +234,7 @@ def test_lm_eval_task_files_point_at_the_same_data_and_grader(tmp_path):
     assert names == ["stare_aime24", "stare_math500"]
     t = yaml.load((tmp_path / "stare_aime24.yaml").read_text(), Loader=_Loader)
     assert t["repeats"] == 32 and t["generation_kwargs"]["temperature"] == 1.0 and t["generation_kwargs"]["top_p"] == 0.7
-    assert t["dataset_kwargs"]["data_files"]["test"] == str((BENCH_DATA / "aime24.jsonl").resolve())
+    assert t["dataset_kwargs"]["data_files"]["test"] == str((FIXTURE_DATA / "aime24.jsonl").resolve())
     assert t["filter_list"][0]["filter"][0] == {"function": "take_first_k", "k": 32}
     assert yaml.load((tmp_path / "stare_math500.yaml").read_text(), Loader=_Loader)["repeats"] == 4
     # The generated utils grade with our grader: run its process_results on a hand-made doc.

@@ -90,12 +90,12 @@ def test_masked_observation_tokens_stay_out_of_loss_entropy_and_stare():
 
 
 def test_eval_with_tools_flag_runs(cli, tmp_path):
-    from conftest import BENCH_DATA
+    from conftest import FIXTURE_DATA
     from stare_cli.toy import make_random_init
 
     model = make_random_init(tmp_path / "m")
     code, out, err = cli("eval", "--bench", "amc23", "--model", str(model), "--limit", "2", "-n", "1",
-                         "--max-tokens", "8", "--data-file", str(BENCH_DATA / "amc23.jsonl"), "--engine", "hf",
+                         "--max-tokens", "8", "--data-file", str(FIXTURE_DATA / "amc23.jsonl"), "--engine", "hf",
                          "--workers", "0", "--tools", "python", "--out", str(tmp_path / "ev"), "--json")
     assert code == 0, err
     rows = [json.loads(x) for x in (tmp_path / "ev" / "amc23" / "samples.jsonl").read_text().splitlines()]

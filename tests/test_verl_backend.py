@@ -13,7 +13,7 @@ import torch
 from torch.testing import assert_close
 
 from baselines.registry import METHODS
-from conftest import BENCH_DATA
+from conftest import FIXTURE_DATA
 from stare_cli.backends.verl_backend import TABLE, compose, refusals, verl_overrides
 from stare_cli.backends.verl_ext import driver_step
 from stare_cli.config import Recipe
@@ -229,9 +229,7 @@ def test_dry_run_and_job_script(cli, tmp_path):
 
 
 def test_data_prepare_writes_verl_parquet(cli, tmp_path, monkeypatch):
-    if not BENCH_DATA.exists():
-        pytest.skip(f"needs the benchmark files in {BENCH_DATA} (../shared)")
-    monkeypatch.setenv("STARE_DATA_DIR", str(BENCH_DATA))
+    monkeypatch.setenv("STARE_DATA_DIR", str(FIXTURE_DATA))
     train = tmp_path / "train.jsonl"
     train.write_text("".join(json.dumps({"prompt": f"What is {i}+1?", "target": str(i + 1)}) + "\n" for i in range(5)))
     code, out, err = cli("data", "prepare", "--recipe", "short-cot/qwen2.5-math-7b", "--out", str(tmp_path / "d"),
