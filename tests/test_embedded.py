@@ -213,6 +213,19 @@ def test_bf16_autocast_trains_on_cpu(cli, tmp_path, quick_toy):
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
 
 
+def test_one_lr_1e_6_step_moves_the_fp32_master_weights(cli, tmp_path, quick_toy):
+    """Master weights stay fp32 under bf16 compute: after one AdamW step at lr 1e-6 (each weight
+    moves by about 1e-6, far below bf16's resolution near 0.05, about 4e-4) almost every weight
+    changed. With bf16 weights only a few percent would."""
+    run = _train(cli, tmp_path, quick_toy, "grpo-ds", "optim.total_steps=1", "optim.lr=1e-6", "optim.precision=bf16",
+                 "method.dynamic_sampling=false", "eval.benchmarks=[]")
+    before = load_file(str(quick_toy / "model.safetensors"))
+    after = load_file(str(run / "checkpoints" / "latest" / "model.safetensors"))
+    assert all(v.dtype == torch.float32 for v in after.values())
+    changed = sum(int((before[k] != after[k]).sum()) for k in before) / sum(v.numel() for v in before.values())
+    assert changed > 0.99, changed
+
+
 def test_fp16_needs_cuda(cli, tmp_path, quick_toy):
     code, _, err = cli("train", "--recipe", "tiny/arith", "-o", f"model.path={quick_toy}", "-o", "optim.precision=fp16",
                        "-o", "backend.embedded.device=cpu", "--out", str(tmp_path))

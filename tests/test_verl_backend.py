@@ -69,7 +69,7 @@ def test_every_scenario_and_method_composes_or_is_refused_by_name(scenario, caps
 # Every translated key, one override at a time: the value reaches the verl key verl reads (composed).
 PROBES = [
     ("model.path=/models/m", {"actor_rollout_ref.model.path": "/models/m"}),
-    ("model.dtype=float16", {"actor_rollout_ref.rollout.dtype": "float16"}),
+    ("model.dtype=bfloat16", {"actor_rollout_ref.rollout.dtype": "bfloat16"}),
     ("model.trust_remote_code=true", {"actor_rollout_ref.model.trust_remote_code": True, "data.trust_remote_code": True}),
     ("data.template=raw", {"actor_rollout_ref.model.custom_chat_template": "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"}),
     ("model.chat_template=none", {"actor_rollout_ref.model.custom_chat_template": "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"}),

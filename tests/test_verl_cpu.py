@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 W = 10.0
 N = 4  # responses per prompt
@@ -26,7 +27,7 @@ SMALL = [
 ]
 
 
-def _train(tmp, quick_toy, method: str) -> Path:
+def _train(tmp, quick_toy, method: str, *extra: str) -> Path:
     from stare_cli.cli import main
 
     data = tmp / "data"
@@ -34,7 +35,7 @@ def _train(tmp, quick_toy, method: str) -> Path:
         assert main(["data", "prepare", "-r", "tiny/arith", "--out", str(data), "--limit", "64", "-o", "eval.limit=8"]) == 0
     args = ["train", "-r", "tiny/arith", "--method", method, "--backend", "verl", "--device", "cpu",
             "--data-dir", str(data), "--out", str(tmp / "runs" / method), "-o", f"model.path={quick_toy}"]
-    for o in SMALL:
+    for o in [*SMALL, *extra]:
         args += ["-o", o]
     code = main(args)
     run = next((tmp / "runs" / method).iterdir())
@@ -77,6 +78,33 @@ def test_verl_trains_two_steps_on_cpu_with_stare_active(verl_run):
     assert [r["step"] for r in val] == [0, 2]
 
 
+def _flat(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def test_verl_ran_with_every_value_we_wrote(verl_run):
+    """verl adjusts some settings when its trainer starts (e.g. data.gen_batch_size under group filtering);
+    the configuration its driver ran with (dumped by our extension) must hold every value we wrote."""
+    from omegaconf import OmegaConf
+
+    from stare_cli.backends.verl_backend import compose
+
+    meta = json.loads((verl_run / "meta.json").read_text())
+    written = _flat(OmegaConf.to_container(compose(meta["overrides"]), resolve=True))
+    effective = _flat(json.loads((verl_run / "verl_effective_config.json").read_text()))
+    keys = [o.split("=", 1)[0].lstrip("+") for o in meta["overrides"] if not o.startswith(("hydra.", "+stare."))]
+    assert len(keys) > 80
+    changed = {k: (written[k], effective.get(k)) for k in keys if k in written and effective.get(k) != written[k]
+               and not (isinstance(written[k], list) and effective.get(k) == [str(x) for x in written[k]])}
+    assert changed == {}, changed
+
+
 def test_verl_checkpoint_carries_the_controller(verl_run):
     step = verl_run / "checkpoints" / "global_step_2"
     assert (step / "actor").is_dir()
@@ -100,8 +128,13 @@ def test_compare_reads_the_verl_run(verl_run, cli):
     assert cells["Toy arith"] == f"{100 * last:.1f}"  # avg@2 in percent, as compare prints it
 
 
-def test_grpo_ds_trains_on_verl_through_the_same_layer(verl_tmp, quick_toy):
-    run = _train(verl_tmp, quick_toy, "grpo-ds")
+def test_grpo_ds_trains_on_verl_through_the_same_layer_with_fp32_master_weights(verl_tmp, quick_toy):
+    """GRPO-ds through the same layer, with bf16 compute and lr 1e-6 through verl's FSDP2 engine: the
+    master weights are fp32 (fsdp_config.model_dtype), so two AdamW steps of ~1e-6 move almost every
+    weight (bf16 weights near 0.05 have a resolution of ~4e-4 and would barely move)."""
+    from safetensors.torch import load_file
+
+    run = _train(verl_tmp, quick_toy, "grpo-ds", "optim.precision=bf16", "optim.lr=1e-6")
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "actor/pg_loss" in r]
     assert [r["step"] for r in train] == [1, 2]
@@ -109,6 +142,14 @@ def test_grpo_ds_trains_on_verl_through_the_same_layer(verl_tmp, quick_toy):
         assert "stare/gate" not in r and "stare/sel_pos" not in r
         assert r["reward"] == pytest.approx(r["acc"]) and "official_score" in r and "format" in r
     assert not (run / "checkpoints" / "global_step_2" / "stare_controller.json").exists()
+    (hf,) = list((run / "checkpoints" / "global_step_2" / "actor").rglob("model.safetensors"))
+    before, after = load_file(str(quick_toy / "model.safetensors")), load_file(str(hf))
+    assert all(v.dtype == torch.float32 for v in after.values())
+    common = [k for k in before if k in after]
+    changed = sum(int((before[k] != after[k]).sum()) for k in common) / sum(before[k].numel() for k in common)
+    assert changed > 0.99, changed
+    effective = json.loads((run / "verl_effective_config.json").read_text())
+    assert effective["actor_rollout_ref"]["actor"]["fsdp_config"]["mixed_precision"]["param_dtype"] == "bf16"
 
 
 def test_verl_run_resumes_from_its_checkpoint(verl_run):

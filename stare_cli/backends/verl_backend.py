@@ -73,11 +73,11 @@ def _precision(cfg: Recipe) -> dict[str, Any]:
     # verl 0.9.1's FSDP engine: master weights in fsdp_config.model_dtype (fp32, as the official runs'
     # fork), compute dtype from fsdp_config.mixed_precision.param_dtype (fp16 gets ShardedGradScaler).
     p = cfg.optim.precision
-    out = {f"{A}.fsdp_config.model_dtype": "fp32", f"+{A}.fsdp_config.mixed_precision.param_dtype": p,
-           f"+{A}.fsdp_config.mixed_precision.reduce_dtype": "fp32",
-           f"+{A}.fsdp_config.mixed_precision.buffer_dtype": "fp32",
-           f"{A}.fsdp_config.dtype": {"fp16": "float16", "bf16": "bfloat16", "fp32": "bfloat16"}[p]}
-    return out
+    dtype = {"fp16": "float16", "bf16": "bfloat16", "fp32": "bfloat16"}[p]  # fsdp_config.dtype knows no fp32
+    return {f"{A}.fsdp_config.model_dtype": "fp32", f"+{A}.fsdp_config.mixed_precision.param_dtype": p,
+            f"+{A}.fsdp_config.mixed_precision.reduce_dtype": "fp32",
+            f"+{A}.fsdp_config.mixed_precision.buffer_dtype": "fp32",
+            f"{A}.fsdp_config.dtype": dtype, "actor_rollout_ref.ref.fsdp_config.dtype": dtype}
 
 
 def _micro_batches(cfg: Recipe) -> dict[str, Any]:
@@ -219,8 +219,8 @@ TABLE: list[Row] = [
         lambda c: ("optim.schedule", "verl 0.9.1's FSDP engine has constant and cosine schedules only")
         if c.optim.schedule == "linear" else None),
     Row(("optim.weight_decay",), "verl", "", lambda c: {f"{A}.optim.weight_decay": c.optim.weight_decay}),
-    Row(("optim.grad_clip",), "verl", "the engine reads optim.clip_grad (actor.grad_clip is unused in 0.9.1)",
-        lambda c: {f"{A}.optim.clip_grad": c.optim.grad_clip, f"{A}.grad_clip": c.optim.grad_clip}),
+    Row(("optim.grad_clip",), "verl", "the engine reads optim.clip_grad (actor.grad_clip is not read in 0.9.1's "
+        "V1 path, so we do not write it)", lambda c: {f"{A}.optim.clip_grad": c.optim.grad_clip}),
     Row(("optim.train_batch_size",), "verl", "", lambda c: {"data.train_batch_size": c.optim.train_batch_size}),
     Row(("optim.mini_batch_size",), "verl", "", lambda c: {f"{A}.ppo_mini_batch_size": c.optim.mini_batch_size}),
     Row(("optim.micro_batch_size", "optim.micro_batch_tokens"), "verl",
@@ -270,7 +270,7 @@ TABLE: list[Row] = [
     Row(("backend.verl.extra_overrides",), "verl", "appended verbatim"),
     # logging and checkpoints
     Row(("logging.wandb", "logging.project"), "verl", "",
-        lambda c: {"trainer.logger": "[console]" if c.logging.wandb == "disabled" else "[console,wandb]",
+        lambda c: {"trainer.logger": ["console"] if c.logging.wandb == "disabled" else ["console", "wandb"],
                    "trainer.project_name": c.logging.project}),
     Row(("logging.samples_every", "logging.reflection_words"), "layer",
         "our driver extension writes samples/ and the reflection-word rate, as the embedded backend"),
@@ -311,12 +311,17 @@ def hydra_value(v: Any) -> str:
 
 
 def _plain(v: Any) -> str:
-    """Override values as verl's own scripts write them (numbers, booleans, bare words)."""
+    """Override values as verl's own scripts write them (numbers, booleans, bare words); strings with
+    characters Hydra's grammar would read, and lists, as Hydra literals."""
+    if v is None:
+        return "null"
     if isinstance(v, bool):
         return "True" if v else "False"
     if isinstance(v, float):
         return repr(v)
-    if isinstance(v, str) and any(c in v for c in " {}%'\"\n,:"):
+    if isinstance(v, (list, tuple, dict)):
+        return hydra_value(v)
+    if isinstance(v, str) and any(c in v for c in " {}[]()%'\"\n,:=$"):
         return hydra_value(v)
     return str(v)
 
@@ -334,11 +339,15 @@ def verl_overrides(cfg: Recipe, run_dir: Optional[Path] = None, data_dir: Option
             ov.update(row.to_verl(cfg))
     ov.update({
         "data.train_files": str(data_dir / "train.parquet"),
-        "data.val_files": "[" + ",".join(str(data_dir / bench_file(b)) for b in cfg.eval.benchmarks) + "]"
-        if cfg.eval.benchmarks else str(data_dir / "train.parquet"),
+        "data.val_files": [str(data_dir / bench_file(b)) for b in cfg.eval.benchmarks] if cfg.eval.benchmarks
+        else str(data_dir / "train.parquet"),
         "data.prompt_key": "prompt",
-        "algorithm.use_kl_in_reward": False,
-        f"{A}.use_kl_loss": False,
+        # no KL anywhere (the paper recipe); the unused coefficients are 0, as in the official runs
+        "algorithm.use_kl_in_reward": False, "algorithm.kl_ctrl.kl_coef": 0.0,
+        f"{A}.use_kl_loss": False, f"{A}.kl_loss_coef": 0.0,
+        # checkpoints with a Hugging Face copy (as the official runs), which `stare eval` reads
+        f"{A}.checkpoint.save_contents": ["model", "optimizer", "extra", "hf_model"],
+        "trainer.log_val_generations": 10,
         "actor_rollout_ref.model.external_lib": EXT_MODULE,
         f"{R_}.name": "vllm",
         "trainer.use_v1": True,  # our driver extension patches the V1 trainer
@@ -554,3 +563,66 @@ def run(cfg: Recipe, out_root: Path, dry_run: bool = False, emit_script: Optiona
     if code:
         raise StareError(f"verl exited with code {code}", hint=f"see {run_dir / 'verl.log'}")
     return run_dir
+
+
+# --------------------------------------------------------------- the official run's effective values
+# Every key of the official runs' composed configuration (../shared/paper/official/*.composed.json,
+# the fork of verl 0.7) that is also in ours, composed for the Short-CoT 7B recipe with verl 0.9.1's
+# defaults, has the same value, except these. A key ending in ".*" covers its subtree, one starting
+# with "*." any path ending so. tests/test_official_config.py fails on any other difference, and on a
+# row here that no longer differs. kind: version (verl 0.7 fork vs verl 0.9.1), local (paths and
+# names on the official cluster), hardware (cluster size, engine capacity), deliberate (our choice,
+# with the reason), verl (what verl 0.9's V1 trainer runs with, whatever is written).
+OFFICIAL_DIFFERENCES: list[tuple[str, str, str]] = [
+    ("*._target_", "version", "the fork's recipe config classes vs verl 0.9.1's"),
+    ("reward_model.*", "version", "verl 0.9 moved reward settings to reward.*; the reward is our manager "
+     "around the method layer (README: Fidelity, reward)"),
+    ("custom_reward_function.*", "version", "verl 0.9 moved it to reward.custom_reward_function (unused: our manager)"),
+    ("critic.*", "version", "no critic in GRPO; defaults differ between the versions"),
+    ("trainer.rollout_data_dir", "version", "'' in the fork, null in 0.9.1: no dump either way"),
+    ("trainer.validation_data_dir", "version", "'' in the fork, null in 0.9.1: no dump either way"),
+    ("actor_rollout_ref.model.path", "local", "the official cluster's model folder; ours the hub id"),
+    ("actor_rollout_ref.rollout.prometheus.*", "local", "paths on the official cluster"),
+    ("data.train_files", "local", "the official parquet; ours from `stare data prepare` (same source, Fidelity)"),
+    ("data.val_files", "local", "the same benchmarks, written by `stare data prepare`"),
+    ("trainer.default_local_dir", "local", "checkpoint folder: inside our run directory"),
+    ("trainer.experiment_name", "local", "run names"),
+    ("trainer.project_name", "local", "wandb project"),
+    ("trainer.nnodes", "hardware", "2 nodes x 8 GPUs officially; ours from backend.verl (1 node by default)"),
+    ("actor_rollout_ref.rollout.max_num_batched_tokens", "hardware", "vLLM scheduler capacity: speed, not values"),
+    ("actor_rollout_ref.rollout.max_num_seqs", "hardware", "vLLM scheduler capacity: speed, not values"),
+    ("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", "hardware", "micro-batches of the no-grad "
+     "old-log-prob pass (memory only: nothing is selected there; ours = optim.micro_batch_tokens)"),
+    ("actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", "hardware", "reference pass, unused (no KL)"),
+    ("data.gen_batch_size", "verl", "verl 0.9's V1 trainer forces 1 with group filtering (refills per dropped "
+     "group); rollout.refill: per_group on verl, the official 192-prompt batches on the embedded backend"),
+    ("algorithm.filter_groups.max_num_gen_batches", "verl", "ignored by verl 0.9's V1 replay buffer (no cap); "
+     "we write 0, what it runs with"),
+    ("actor_rollout_ref.actor.policy_loss.loss_mode", "deliberate", "the method layer's loss (`stare_layer`) runs "
+     "STARE's selection inside verl's loss call, as the fork's `stare` loss did"),
+    ("actor_rollout_ref.model.external_lib", "deliberate", "our extension (method layer in verl's processes)"),
+    ("actor_rollout_ref.actor.calculate_entropy", "deliberate", "the fork computes the current entropy only to log "
+     "it; the method layer's STARE needs none (entropy methods switch it on)"),
+    ("data.seed", "deliberate", "the data order is seeded from optim.seed (the fork's was unseeded)"),
+    ("actor_rollout_ref.actor.data_loader_seed", "deliberate", "seeded from optim.seed"),
+    ("trainer.total_training_steps", "deliberate", "paper silent on the run length: optim.total_steps (500)"),
+    ("trainer.total_epochs", "deliberate", "bounded by total_training_steps instead"),
+    ("trainer.max_actor_ckpt_to_keep", "deliberate", "checkpoint.keep_last (disk); all kept officially"),
+    ("trainer.val_before_train", "deliberate", "a step-0 point for `stare compare`; no effect on training"),
+]
+
+
+def official_difference(key: str) -> Optional[tuple[str, str]]:
+    """(kind, reason) of the OFFICIAL_DIFFERENCES row covering `key`, or None."""
+    for pattern, kind, reason in OFFICIAL_DIFFERENCES:
+        if (pattern.endswith(".*") and key.startswith(pattern[:-1])) or \
+                (pattern.startswith("*.") and key.endswith(pattern[1:])) or key == pattern:
+            return kind, reason
+    return None
+
+
+def official_differences_markdown() -> str:
+    """The table as the README's Fidelity section shows it."""
+    rows = ["| verl key | kind | why it differs from the official run |", "|---|---|---|"]
+    rows += [f"| `{p}` | {k} | {r} |" for p, k, r in OFFICIAL_DIFFERENCES]
+    return "\n".join(rows) + "\n"

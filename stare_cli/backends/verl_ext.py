@@ -113,6 +113,7 @@ def _install_driver() -> None:  # pragma: no cover - runs inside verl's driver (
         batch = orig_adv(self, batch, metrics)
         if layer is None:
             return batch
+        _dump_effective_config(self.config)
         import numpy as np
         import transfer_queue as tq
         from tensordict import TensorDict
@@ -195,6 +196,17 @@ def _step_text_metrics(trainer, layer, texts: list[str], rewards: list[float], u
             for t, r, u in list(zip(texts, rewards, uids))[:64]:
                 f.write(json.dumps({"group": str(u), "reward": r, "response": t}) + "\n")
     return {"reflection_rate": reflection_rate(texts, L.reflection_words)}
+
+
+def _dump_effective_config(config: Any) -> None:
+    """verl's configuration as the trainer runs with it (after verl's own adjustments at start-up),
+    once, as run_dir/verl_effective_config.json: tests compare it with what we wrote."""
+    from omegaconf import OmegaConf
+
+    run_dir = recipe_run_dir(config)
+    if run_dir is not None and not (run_dir / "verl_effective_config.json").exists():
+        (run_dir / "verl_effective_config.json").write_text(
+            json.dumps(OmegaConf.to_container(config, resolve=True), indent=1, default=str))
 
 
 def reward_info_means(infos: list) -> dict[str, float]:
