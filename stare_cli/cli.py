@@ -110,6 +110,9 @@ def train(
     data_dir: Annotated[
         Optional[Path], typer.Option(help="verl: parquet folder from `stare data prepare` (default data/<recipe>).")
     ] = None,
+    shared_dir: Annotated[
+        Optional[Path], typer.Option(help="verl --emit-script: a directory every node sees (run, data, checkpoints).")
+    ] = None,
 ) -> None:
     """Train one method under one recipe."""
     from stare_cli.method_layer import load_recipe
@@ -119,6 +122,8 @@ def train(
         overrides.append(f"backend.name={backend.value}")
     if threads is not None:
         overrides.append(f"backend.embedded.threads={threads}")
+    if shared_dir is not None:
+        overrides.append(f"backend.verl.shared_dir={shared_dir.resolve()}")
     if resume is not None:
         from stare_cli.backends.embedded import resume_recipe
 

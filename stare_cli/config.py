@@ -252,11 +252,21 @@ class VerlBackend(_Strict):
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM rollout tensor parallel size.")
     gpu_memory_utilization: float = Field(0.6, gt=0, le=1, description="vLLM share of GPU memory.")
     device: Literal["cuda", "cpu"] = Field("cuda", description="cpu: the debug path (see README).")
+    shared_dir: Optional[str] = Field(
+        None, description="Absolute directory every node of the cluster sees (NFS, ...): `--emit-script` puts the run "
+        "directory, data, checkpoints and tools file under it.")
     extra_overrides: list[str] = Field(
         default_factory=list,
         description="Hydra overrides of verl's ppo_trainer appended verbatim (KEY=VALUE, `+KEY=VALUE` to add "
         "a key); they win over the generated ones except the CPU path's.",
     )
+
+    @field_validator("shared_dir")
+    @classmethod
+    def _absolute(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and not v.startswith("/"):
+            raise ValueError(f"must be an absolute path, got {v!r}")
+        return v
 
     @field_validator("extra_overrides")
     @classmethod

@@ -350,3 +350,15 @@ def test_hf_rollout_server_batches_requests_and_takes_weights(quick_toy):
     assert asyncio.run(server.generate([3, 32], {"temperature": 0}, "x")).extra_fields["global_steps"] == 3
     with pytest.raises(KeyError, match="does not have"):
         server.load_weights({"not.a.weight": torch.zeros(1)}, global_steps=4)
+
+
+def test_resume_refuses_run_directories_stare_did_not_create(cli, tmp_path):
+    """verl's checkpoint loaders unpickle: a folder without our meta.json is not resumed."""
+    from stare_cli.recipes import recipe_to_yaml
+
+    run = tmp_path / "foreign"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text(recipe_to_yaml(load_recipe("tiny/arith", "stare-o1", [*PER_GROUP, "backend.name=verl"])))
+    (run / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("2")
+    code, _, err = cli("train", "--resume", str(run))
+    assert code == 1 and "not a run directory stare created (no meta.json)" in err and "trust" in err

@@ -268,6 +268,9 @@ def resume_recipe(run_dir: Path, overrides: list[str]) -> Recipe:
     cfg_file = Path(run_dir) / "config.yaml"
     if not cfg_file.exists():
         raise StareError(f"--resume: '{run_dir}' is not a run directory (no config.yaml)")
+    if not (Path(run_dir) / "meta.json").exists():
+        raise StareError(f"--resume: '{run_dir}' is not a run directory stare created (no meta.json)",
+                         hint="resume only run directories you trust (verl's checkpoint loading runs pickle)")
     return load_recipe(str(cfg_file), None, overrides)  # config.yaml keeps the run's recipe name
 
 

@@ -267,6 +267,8 @@ TABLE: list[Row] = [
         lambda c: {f"{R_}.tensor_model_parallel_size": c.backend.verl.tensor_parallel_size,
                    f"{R_}.gpu_memory_utilization": c.backend.verl.gpu_memory_utilization}),
     Row(("backend.verl.device",), "verl", "cpu: the CPU debug path's overrides (verl_cpu.py)"),
+    Row(("backend.verl.shared_dir",), "verl", "--emit-script: the run directory, data, checkpoints and tools file "
+        "live under it (absolute paths in the overrides)"),
     Row(("backend.verl.extra_overrides",), "verl", "appended verbatim"),
     # logging and checkpoints
     Row(("logging.wandb", "logging.project"), "verl", "",
@@ -326,10 +328,12 @@ def _plain(v: Any) -> str:
     return str(v)
 
 
-def verl_overrides(cfg: Recipe, run_dir: Optional[Path] = None, data_dir: Optional[Path] = None) -> list[str]:
+def verl_overrides(cfg: Recipe, run_dir: Optional[Path] = None, data_dir: Optional[Path] = None,
+                   job: bool = False) -> list[str]:
     """Hydra overrides of verl's ppo_trainer for this recipe (after `check`): the table's
     translations, the fixed wiring of our extension, the CPU path's values (`--device cpu`), then
-    `backend.verl.extra_overrides` verbatim. `run_dir` and `data_dir` should be absolute on a cluster."""
+    `backend.verl.extra_overrides` verbatim. `run_dir` and `data_dir` should be absolute on a cluster;
+    `job`: for a `ray job submit` script (the Ray cluster exists already: no Ray start-up settings)."""
     check(cfg)
     data_dir = data_dir or Path("data") / cfg.name.replace("/", "-")
     run_dir = run_dir or Path("runs") / "verl"
@@ -362,7 +366,7 @@ def verl_overrides(cfg: Recipe, run_dir: Optional[Path] = None, data_dir: Option
     if cfg.backend.verl.device == "cpu":  # the CPU debug path (verl_cpu.py): its values win over the recipe's
         from stare_cli.backends.verl_cpu import cpu_overrides
 
-        ov.update(cpu_overrides())
+        ov.update(cpu_overrides(job=job))
     out = [f"{k}={_plain(v)}" for k, v in ov.items()]
     out.append(f"+stare.recipe={hydra_value(cfg.model_dump(mode='json'))}")
     out += list(cfg.backend.verl.extra_overrides)
@@ -423,17 +427,27 @@ def environment(cfg: Recipe, run_dir: Path) -> dict[str, str]:
     return env
 
 
+def package_dirs() -> list[str]:
+    """Our packages' directories, shipped with a job (Ray's py_modules) so every node imports this code."""
+    import importlib
+
+    return [str(Path(importlib.import_module(p).__file__).parent) for p in ("stare_cli", "baselines", "benchmarks", "recipes")]
+
+
 def ray_job_script(cfg: Recipe, overrides: list[str], run_dir: Path) -> str:
-    env = environment(cfg, run_dir)
-    runtime_env = {"env_vars": env, "working_dir": "."}
+    """A `ray job submit` script: every path in it is absolute under the shared directory, verl loads our
+    reward manager and extension by package, and our packages travel with the job (py_modules)."""
+    runtime_env = {"env_vars": environment(cfg, run_dir), "py_modules": package_dirs()}
     cmd = " \\\n    ".join(shlex.quote(x) for x in launch_command(cfg, overrides))
     return (
         "#!/usr/bin/env bash\n"
-        f"# stare: {cfg.name} with {cfg.method.name} on verl ({cfg.backend.verl.nnodes} node(s) x "
-        f"{cfg.backend.verl.n_gpus_per_node} GPUs). Submit from a machine that reaches the Ray head:\n"
+        f"# stare: {cfg.name} with {cfg.method.name} on verl ("
+        + ("the CPU debug path: a Ray cluster started with --num-gpus 1 --num-cpus 16" if cfg.backend.verl.device == "cpu"
+           else f"{cfg.backend.verl.nnodes} node(s) x {cfg.backend.verl.n_gpus_per_node} GPUs")
+        + "). Submit from a machine that reaches the Ray head:\n"
         "#   RAY_ADDRESS=http://<head>:8265 bash this_script.sh\n"
-        "# Every node needs this package installed (pip install 'stare[verl]'), since the method's\n"
-        "# extension module is imported in every verl process.\n"
+        f"# The run directory is {run_dir} (on the shared filesystem every node mounts).\n"
+        "# Every node needs the dependencies (pip install 'stare[verl]'); the project's own code travels with the job.\n"
         "set -euo pipefail\n"
         f"ray job submit --runtime-env-json={shlex.quote(json.dumps(runtime_env))} -- \\\n    {cmd}\n"
     )
@@ -475,6 +489,10 @@ def resume_point(run_dir: Path) -> tuple[int, Optional[Path]]:
     """(last checkpointed step, the data folder the run used) of a verl run directory."""
     from stare_cli.errors import StareError
 
+    if not (run_dir / "meta.json").exists():
+        # verl's checkpoint loaders unpickle: only run directories stare created (and that you trust)
+        raise StareError(f"--resume: '{run_dir}' is not a run directory stare created (no meta.json)",
+                         hint="resume only run directories you trust: verl's checkpoint loading runs pickle")
     tracker = run_dir / "checkpoints" / "latest_checkpointed_iteration.txt"
     if not tracker.exists():
         raise StareError(f"--resume: '{run_dir}' has no verl checkpoint yet",
@@ -503,11 +521,26 @@ def run(cfg: Recipe, out_root: Path, dry_run: bool = False, emit_script: Optiona
         for o in verl_overrides(cfg, data_dir=data_dir):
             print(o)
         return None
-    if cfg.model.path.startswith("toy:") and not emit_script:  # verl needs a model directory
+    shared = None
+    if emit_script:  # every node must see the run directory, the data, the checkpoints and the tools file
+        if not cfg.backend.verl.shared_dir:
+            raise StareError("--emit-script needs a directory every node of the cluster sees",
+                             hint="--shared-dir /abs/shared/path (or backend.verl.shared_dir in the recipe)")
+        shared = Path(cfg.backend.verl.shared_dir)
+        out_root = shared / "runs"
+        data_dir = data_dir or shared / "data" / cfg.name.replace("/", "-")
+    if cfg.model.path.startswith("toy:"):  # verl needs a model directory (on a cluster: a copy under the shared dir)
         from stare_cli.backends.embedded import resolve_model_path
 
-        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(
-            update={"path": resolve_model_path(cfg.model.path)})})
+        path = Path(resolve_model_path(cfg.model.path))
+        if shared is not None:
+            import shutil
+
+            copy = shared / "models" / path.name
+            if not copy.exists():
+                shutil.copytree(path, copy)
+            path = copy
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": str(path)})})
     resumed_at = None
     if resume_dir is not None:
         from stare_cli.runs import atomic_write_text, read_jsonl
@@ -521,7 +554,10 @@ def run(cfg: Recipe, out_root: Path, dry_run: bool = False, emit_script: Optiona
         run_dir = new_run_dir(cfg, out_root)
     run_dir = run_dir.resolve()  # verl's processes may run elsewhere: absolute paths only
     data_dir = data_dir.resolve() if data_dir is not None else (Path("data") / cfg.name.replace("/", "-")).resolve()
-    overrides = verl_overrides(cfg, run_dir=run_dir, data_dir=data_dir)
+    if not (data_dir / "train.parquet").exists():
+        raise StareError(f"verl data not found: {data_dir / 'train.parquet'}",
+                         hint=f"stare data prepare --recipe {cfg.name} --out {data_dir}")
+    overrides = verl_overrides(cfg, run_dir=run_dir, data_dir=data_dir, job=emit_script is not None)
     if cfg.rollout.tools.enable:
         import yaml
 
@@ -542,9 +578,6 @@ def run(cfg: Recipe, out_root: Path, dry_run: bool = False, emit_script: Optiona
         import verl  # noqa: F401
     except ImportError:
         raise StareError("verl is not installed", hint="pip install 'stare[verl]' on the cluster") from None
-    train_file = Path(next(o for o in overrides if o.startswith("data.train_files=")).split("=", 1)[1])
-    if not train_file.exists():
-        raise StareError(f"verl data not found: {train_file}", hint=f"stare data prepare --recipe {cfg.name}")
     env = {**os.environ, **environment(cfg, run_dir)}
     # verl's output (its console logger included) goes to stderr and to verl.log in the run directory;
     # stdout carries only the run directory, as with the embedded backend.

@@ -32,15 +32,19 @@ PLATFORM = "stare_cpu"
 MODULE = "stare_cli.backends.verl_cpu"
 
 
-def cpu_overrides(n_procs: int = 1) -> dict[str, object]:
+def cpu_overrides(n_procs: int = 1, job: bool = False) -> dict[str, object]:
     """Hydra overrides that make verl's config runnable on CPU; they replace the recipe's values for
-    the same keys (a leading `+` adds a key verl's schema does not declare)."""
+    the same keys (a leading `+` adds a key verl's schema does not declare). `job`: for a running Ray
+    cluster (`ray job submit`), started with the same resources: `ray start --head --num-gpus 1 --num-cpus 16`."""
+    ray = {} if job else {
+        "+ray_kwargs.ray_init.num_gpus": n_procs,  # our platform's Ray "GPU" slots (module docstring)
+        "+ray_kwargs.ray_init.num_cpus": 16,  # TransferQueue and the agent/reward loops each reserve CPUs
+    }
     return {
         "trainer.n_gpus_per_node": n_procs,
         "trainer.nnodes": 1,
         "trainer.device": "cpu",
-        "+ray_kwargs.ray_init.num_gpus": n_procs,  # our platform's Ray "GPU" slots (module docstring)
-        "+ray_kwargs.ray_init.num_cpus": 16,  # TransferQueue and the agent/reward loops each reserve CPUs
+        **ray,
         "transfer_queue.backend.SimpleStorage.num_data_storage_units": 2,
         "actor_rollout_ref.rollout.name": "hf",
         "actor_rollout_ref.rollout.tensor_model_parallel_size": 1,
