@@ -11,12 +11,20 @@
 - `mathruler`: mathruler's grade_answer on the last \\boxed{} content.
 
 Our grader (`math-verify`):
-
-- Extraction: the last \\boxed{...} (or \\fbox{...}) with balanced braces; else "Answer: X" /
-  "the answer is X"; else the last number. Each verdict records how the answer was found.
-- Verification: exact string or integer equality first (no sympy needed), then math-verify on
-  `\\boxed{answer}` vs `\\boxed{gold}`. Scientific notation `4.5e33` is rewritten to
-  `4.5\\times10^{33}` on both sides (math-verify reads `e` as Euler's number).
+- Extraction gives answer candidates, tried in order: the final answer, and, when the final paragraph
+  has two or more boxes, all of them joined by ", " (`\\boxed{2} and \\boxed{3}` for the gold `2, 3`).
+  The final answer is the last closed \\boxed{...} (or \\fbox{...}), unless a stated answer ("the
+  answer is X", "Final Answer: X") comes after it; without a box, that stated answer; else the last
+  inline math of the final paragraph (`$...$`, `\\(...\\)`, `\\[...\\]`); else the last number. A final
+  box that never closes is no answer (the response was cut), never a fallback. A stated answer ends
+  at the end of its line or at a full stop followed by a space (decimal points stay). Each verdict
+  records how the answer was found. `boxed_only` (training rewards): the box candidates only.
+- Verification: separators inside numbers are removed (`3\\,159`, `1{,}000`, `1,000`); two plain
+  numbers are compared with a relative tolerance of 1e-6 and nothing else (math-verify rounds to 6
+  decimal places, which makes 0.0000005 equal 0.000000389); otherwise math-verify on
+  `\\boxed{answer}` vs `\\boxed{gold}`, then the same with a trailing percent sign dropped on both
+  sides (the Qwen2.5-Math convention, 50\\% = 50). Scientific notation `4.5e33` is rewritten to
+  `4.5\\times10^{33}` on both sides (math-verify reads `e` as Euler's number); "pct"/"percent" as `\\%`.
 - Time limits: math-verify's own timeouts use signal.alarm and only work on a process's main
   thread; `Grader` runs grading in worker processes (whose main thread does the work) and also
   enforces a hard wall-clock limit per batch item from the parent, killing a hung worker. A
@@ -25,6 +33,7 @@ Our grader (`math-verify`):
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import os
 import re
@@ -48,94 +57,201 @@ class Verdict:
 
 
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
-_ANSWER_PHRASE = re.compile(r"(?:final answer|answer)\s*(?:is|:)\s*\$?([^\n$]+?)\$?\s*(?:\.|$)", re.IGNORECASE)
+_PHRASE = re.compile(r"(?:final answer|the answer|answer)\s*(?:is|:)", re.IGNORECASE)
+_INLINE = re.compile(r"\$\$(.+?)\$\$|\$(.+?)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]", re.DOTALL)
 _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?")
 _INT = re.compile(r"^[-+]?\d+$")
+_PLAIN_NUMBER = re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?$")
 _SCI = re.compile(r"(?<![\w.])(-?\d+(?:\.\d+)?)[eE]([-+]?\d+)(?![\w.])")
+_TIMES10 = re.compile(r"^([-+]?\d+(?:\.\d+)?)\s*\\(?:times|cdot)\s*10\^\{?([-+]?\d+)\}?$")
+# Separators inside a number: LaTeX thin spaces, {,}, unicode thin spaces, before a group of three digits.
+_GROUP_SEP = re.compile(r"(?<=\d)(?:\\[,!;:]|\{,\}|\\ |~|\u2009|\u202f)(?=\d{3}(?!\d))")
+_PERCENT_WORD = re.compile(r"\s*(?:pct|percent)\.?$", re.IGNORECASE)
+SEP = "\x1f"  # joins answer candidates in one cache key
+
+
+@dataclass(frozen=True)
+class Box:
+    content: str
+    start: int  # where "\boxed{" starts
+    end: int  # after the closing brace
+
+
+def boxes(text: str) -> tuple[list[Box], bool]:
+    """Every closed \\boxed{...} (balanced braces) in order, and whether a box opened after the last
+    closed one never closes (a response cut inside its final box). Bounded work on adversarial text."""
+    out: list[Box] = []
+    unclosed = False
+    pos = 0
+    for m in list(_BOX.finditer(text))[-50:]:
+        if m.start() < pos:  # nested inside the previous box
+            continue
+        depth, i = 1, m.end()
+        while i < len(text) and depth:
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            i += 1
+        if depth:
+            unclosed = True
+            break
+        out.append(Box(text[m.end():i - 1].strip(), m.start(), i))
+        pos = i
+    return out, unclosed
 
 
 def last_boxed(text: str) -> Optional[str]:
-    """Content of the last \\boxed{...} with balanced braces (None if none closes)."""
-    starts = [m.end() for m in _BOX.finditer(text)]
-    for start in reversed(starts[-50:]):  # bounded work on adversarial text
-        depth, i = 1, start
-        while i < len(text):
-            c = text[i]
-            if c == "{":
-                depth += 1
-            elif c == "}":
-                depth -= 1
-                if depth == 0:
-                    return text[start:i].strip()
-            i += 1
-    return None
+    """Content of the last closed \\boxed{...} (None if none closes)."""
+    found, _ = boxes(text)
+    return found[-1].content if found else None
+
+
+def _stated_answer(text: str) -> tuple[Optional[str], int]:
+    """The answer after the last "answer is" / "answer:" and where that phrase starts (-1: none): the
+    rest of its line, up to a full stop followed by a space or the end (so 7.78 stays whole)."""
+    last = None
+    for last in _PHRASE.finditer(text):
+        pass
+    if last is None:
+        return None, -1
+    line = text[last.end():].split("\n", 1)[0]
+    line = re.split(r"\.(?:\s|$)", line, maxsplit=1)[0]
+    line = line.strip().strip("*").strip()
+    m = _INLINE.fullmatch(line)
+    if m:
+        line = next(g for g in m.groups() if g is not None)
+    line = line.strip().strip("$").strip().rstrip(".").strip()
+    return (line or None), last.start()
+
+
+def extract_candidates(response: str, boxed_only: bool = False) -> tuple[list[str], str]:
+    """(answer candidates in order, how the first was found); see the module docstring."""
+    found, unclosed = boxes(response)  # boxes anywhere; the fallbacks read the end only
+    if unclosed:
+        return [], "unclosed-box"
+    text = response[-MAX_RESPONSE_CHARS:]
+    offset = len(response) - len(text)
+    stated, at = (None, -1) if boxed_only else _stated_answer(text)
+    if found and not (stated is not None and offset + at > found[-1].end):
+        cands = [found[-1].content]
+        para_start = response.rfind("\n\n", 0, found[-1].start) + 1
+        together = [b.content for b in found if b.start >= para_start]
+        if len(together) >= 2:
+            cands.append(", ".join(together))
+        return cands, "boxed"
+    if boxed_only:
+        return [], "none"
+    if stated is not None:
+        return [stated], "answer-phrase"
+    final = text[text.rstrip().rfind("\n\n") + 1:] if "\n\n" in text.rstrip() else text
+    maths = [next(g for g in m.groups() if g is not None) for m in _INLINE.finditer(final)]
+    if maths and maths[-1].strip():
+        return [maths[-1].strip()], "inline-math"
+    nums = _NUMBER.findall(text)
+    if nums:
+        return [nums[-1].replace(",", "")], "last-number"
+    return [], "none"
 
 
 def extract_answer(response: str, boxed_only: bool = False) -> tuple[Optional[str], str]:
-    """(answer, method): the last boxed answer, else an answer phrase, else the last number.
-
-    boxed_only: no fallbacks (training rewards grade the final \\boxed{} only).
-    """
-    boxed = last_boxed(response)
-    text = response[-MAX_RESPONSE_CHARS:]  # fallbacks look at the end only
-    if boxed is not None:
-        return boxed, "boxed"
-    if boxed_only:
-        return None, "none"
-    phrases = _ANSWER_PHRASE.findall(text)
-    if phrases:
-        return phrases[-1].strip(), "answer-phrase"
-    nums = _NUMBER.findall(text)
-    if nums:
-        return nums[-1].replace(",", ""), "last-number"
-    return None, "none"
+    """(the first answer candidate or None, how it was found)."""
+    cands, method = extract_candidates(response, boxed_only)
+    return (cands[0] if cands else None), method
 
 
 def _normalise(s: str) -> str:
     s = s.strip()
     if len(s) >= 2 and s.startswith("$") and s.endswith("$"):
         s = s.strip("$").strip()
-    # A trailing percent sign is dropped on both sides, as in the Qwen2.5-Math evaluation: "50\%" == "50".
-    s = re.sub(r"\\?%\s*$", "", s).strip()
+    s = _GROUP_SEP.sub("", s)
+    s = _PERCENT_WORD.sub(r"\\%", s)
     return _SCI.sub(lambda m: f"{m.group(1)}\\times10^{{{m.group(2)}}}", s)
 
 
+def _number(s: str) -> Optional[float]:
+    """A plain number (digits, a decimal point, an exponent; 1,000 and 4.5\\times10^{3} too), else None."""
+    t = s.replace(" ", "")
+    if re.fullmatch(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?", t):
+        t = t.replace(",", "")
+    m = _TIMES10.match(t)
+    if m:
+        return float(m.group(1)) * 10.0 ** int(m.group(2))
+    return float(t) if _PLAIN_NUMBER.match(t) else None
+
+
 def _cheap(answer: str, gold: str) -> Optional[str]:
-    """'exact' / 'integer' when equal without sympy; None when sympy must decide."""
+    """'exact' / 'integer' / 'numeric' when decided without sympy ('mismatch' when decidedly not
+    equal); None when math-verify must decide."""
     a, g = _normalise(answer), _normalise(gold)
     if a == g:
         return "exact"
     a2, g2 = a.replace(",", "").replace(" ", ""), g.replace(",", "").replace(" ", "")
     if _INT.match(a2) and _INT.match(g2):
         return "integer" if int(a2) == int(g2) else "mismatch"
+    x, y = _number(a), _number(g)
+    if x is not None and y is not None:  # relative tolerance, not math-verify's 6 decimal places
+        return "numeric" if math.isclose(x, y, rel_tol=1e-6, abs_tol=0.0) else "mismatch"
     return None
+
+
+def _strip_percent(s: str) -> str:
+    return re.sub(r"\\?%\s*$", "", s).strip()
+
+
+def _math_verify(answer: str, gold: str, timeout: int) -> bool:
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+    cfg = [LatexExtractionConfig(), ExprExtractionConfig()]
+    g = parse(f"\\boxed{{{gold}}}", extraction_config=cfg, parsing_timeout=timeout)
+    p = parse(f"\\boxed{{{answer}}}", extraction_config=cfg, parsing_timeout=timeout)
+    return bool(g) and bool(verify(g, p, timeout_seconds=timeout))
+
+
+def judge(answer: str, gold: str, timeout: int = 5) -> tuple[bool, str]:
+    """(correct, reason) for one extracted answer against the gold."""
+    if len(answer) > MAX_ANSWER_CHARS:
+        return False, "too-long"
+    quick = _cheap(answer, gold)
+    if quick is not None:
+        return quick != "mismatch", quick
+    try:
+        a, g = _normalise(answer), _normalise(gold)
+        if _math_verify(a, g, timeout):
+            return True, "math-verify"
+        a2, g2 = _strip_percent(a), _strip_percent(g)
+        if (a2, g2) != (a, g) and (a2 == g2 or _math_verify(a2, g2, timeout)):
+            return True, "percent"
+        return False, "mismatch"
+    except BaseException as e:  # math-verify's TimeoutException derives from BaseException
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        return False, "timeout" if "Timeout" in type(e).__name__ else f"error: {type(e).__name__}"
+
+
+def _quick(key: str, gold: str) -> Optional[str]:
+    """A verdict for a cache key (the candidates) without a worker, or None."""
+    reasons = []
+    for c in key.split(SEP):
+        if len(c) > MAX_ANSWER_CHARS:
+            return None
+        q = _cheap(c, gold)
+        if q is None:
+            return None
+        if q != "mismatch":
+            return q
+        reasons.append(q)
+    return "mismatch"
 
 
 def grade(response: str, gold: str, timeout: int = 5, boxed_only: bool = False) -> Verdict:
     """Grade one response in this process (math-verify timeouts need the main thread)."""
-    answer, method = extract_answer(response, boxed_only)
-    if answer is None:
+    cands, method = extract_candidates(response, boxed_only)
+    if not cands:
         return Verdict(False, None, method, "no-answer")
-    if len(answer) > MAX_ANSWER_CHARS:
-        return Verdict(False, answer[:100], method, "too-long")
-    quick = _cheap(answer, gold)
-    if quick is not None:
-        return Verdict(quick != "mismatch", answer, method, quick)
-    try:
-        from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
-
-        cfg = [LatexExtractionConfig(), ExprExtractionConfig()]
-        g = parse(f"\\boxed{{{_normalise(gold)}}}", extraction_config=cfg, parsing_timeout=timeout)
-        p = parse(f"\\boxed{{{_normalise(answer)}}}", extraction_config=cfg, parsing_timeout=timeout)
-        if not g:  # a gold that only parses as a string: only an identical string matches
-            return Verdict(False, answer, method, "mismatch")
-        ok = bool(verify(g, p, timeout_seconds=timeout))
-        return Verdict(ok, answer, method, "math-verify" if ok else "mismatch")
-    except BaseException as e:  # math-verify's TimeoutException derives from BaseException
-        if isinstance(e, KeyboardInterrupt):
-            raise
-        kind = "timeout" if "Timeout" in type(e).__name__ else f"error: {type(e).__name__}"
-        return Verdict(False, answer, method, kind)
+    reason = "mismatch"
+    for c in cands:
+        ok, reason = judge(c, gold, timeout)
+        if ok:
+            return Verdict(True, c, method, reason)
+    return Verdict(False, cands[0], method, reason)
 
 
 def _plain_math_verify(response: str, gold: str, timeout: int = 5, boxed_only: bool = False) -> Verdict:
@@ -176,6 +292,11 @@ def _mathruler(response: str, gold: str, timeout: int = 5, boxed_only: bool = Fa
     return Verdict(ok, boxed, "boxed", "mathruler" if ok else "mismatch")
 
 
+def _candidates_key(response: str, boxed_only: bool) -> tuple[Optional[str], str]:
+    cands, method = extract_candidates(response, boxed_only)
+    return (SEP.join(cands) if cands else None), method
+
+
 def _official_key(response: str, boxed_only: bool) -> tuple[Optional[str], str]:
     from benchmarks.official_grader import answer_text
 
@@ -208,8 +329,8 @@ class GraderSpec:
 
 
 GRADERS: dict[str, GraderSpec] = {g.name: g for g in [
-    GraderSpec("math-verify", 2, "ours: last box / answer phrase / last number, normalised, then math-verify",
-               key=extract_answer, judge=grade, quick=_cheap),
+    GraderSpec("math-verify", 3, "ours: final box (or a later stated answer, or inline math, or the last number), "
+               "normalised, then math-verify", key=_candidates_key, judge=grade, quick=_quick),
     GraderSpec("math-verify-plain", 1, "math-verify's defaults on the whole response",
                key=lambda r, b: (r[-MAX_RESPONSE_CHARS:], "whole-response"), judge=_plain_math_verify),
     GraderSpec("stare-official", 1, "the official STARE accuracy as its reward loop ran it (mathruler decides)",
@@ -292,13 +413,13 @@ class Grader:
             if key is None:
                 out[i] = Verdict(False, None, method, "no-answer", self.tag)
                 continue
-            shown = key if self.spec.quick is not None else None
             if (key, gold) in self.cache:
-                out[i] = self._verdict(self.cache[(key, gold)], shown or self.cache[(key, gold)].extracted, method)
+                v = self.cache[(key, gold)]
+                out[i] = self._verdict(v, v.extracted, method)
                 continue
-            quick = self.spec.quick(key, gold) if self.spec.quick is not None and len(key) <= MAX_ANSWER_CHARS else None
+            quick = self.spec.quick(key, gold) if self.spec.quick is not None else None
             if quick is not None:
-                out[i] = Verdict(quick != "mismatch", key, method, quick, self.tag)
+                out[i] = Verdict(quick != "mismatch", key.split(SEP)[0], method, quick, self.tag)
                 continue
             todo.setdefault((key, gold), []).append(i)
         if todo:
@@ -311,8 +432,7 @@ class Grader:
             for k, v in zip(keys, results):
                 self.cache[k] = v
                 for i in todo[k]:
-                    shown = k[0] if self.spec.quick is not None else v.extracted
-                    out[i] = self._verdict(v, shown, methods[i] if self.spec.quick is not None else v.method)
+                    out[i] = self._verdict(v, v.extracted, methods[i])
         return [v for v in out if v is not None]
 
     def _run_pool(self, pairs: list[tuple[str, str]]) -> list[Verdict]:

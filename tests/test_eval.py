@@ -69,7 +69,9 @@ def test_extraction_order_and_fallbacks():
     assert extract_answer("so the final answer is 42.") == ("42", "answer-phrase")
     assert extract_answer("we get 3 and then 17 apples") == ("17", "last-number")
     assert extract_answer("no digits here") == (None, "none")
-    assert extract_answer("\\boxed{7", boxed_only=True) == (None, "none")  # unclosed
+    # a final box that never closes is no answer (a cut response), never a fallback
+    assert extract_answer("\\boxed{7", boxed_only=True) == (None, "unclosed-box")
+    assert extract_answer("the answer is 3, so \\boxed{204") == (None, "unclosed-box")
 
 
 def test_pathological_answers_are_wrong_with_a_reason_and_never_hang():
@@ -178,7 +180,7 @@ def test_eval_grader_is_recorded_and_a_new_grader_regrades_without_generating(cl
     assert cli(*args)[0] == 0
     f = tmp_path / "ev" / "math500" / "samples.jsonl"
     first = [json.loads(x) for x in f.read_text().splitlines()]
-    assert {r["grader"] for r in first} == {"math-verify@2"}
+    assert {r["grader"] for r in first} == {"math-verify@3"}
     code, out, err = cli(*args, "--grader", "stare-official")
     assert code == 0, err
     again = [json.loads(x) for x in f.read_text().splitlines()]
