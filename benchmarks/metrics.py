@@ -1,8 +1,10 @@
 """Metrics over n graded samples per problem: avg@n, unbiased pass@k, maj@k.
 
 pass@k = 1 - C(n - c, k) / C(n, k) per problem (Chen et al. 2021), averaged over problems.
-maj@k: majority vote over the extracted answers of the first k samples (ties: the answer seen
+maj@k: majority vote over the extracted answers of the first k samples, answers the grader judges
+equal counting as one (`same`; `\\frac{1}{2}`, `0.5` and `1/2` vote together; ties: the answer seen
 first), correct when that answer's samples were graded correct; averaged over problems.
+ci95/avg@n: a bootstrap 95% interval of avg@n over problems (1,000 resamples, seeded).
 """
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ from __future__ import annotations
 import re
 from collections import Counter
 from math import comb
-from typing import Optional, Sequence
+import random
+from typing import Callable, Optional, Sequence
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -33,26 +36,54 @@ def ks_for(n: int) -> list[int]:
     return ks
 
 
-def majority_correct(answers: Sequence[Optional[str]], correct: Sequence[bool]) -> bool:
-    votes = Counter(a for a in answers if a is not None)
-    if not votes:
+def majority_correct(answers: Sequence[Optional[str]], correct: Sequence[bool],
+                     same: Optional[Callable[[str, str], bool]] = None) -> bool:
+    """Whether the most voted answer (answers `same` calls equal vote together; default: equal
+    strings) was graded correct. Ties: the answer seen first."""
+    groups: list[list[int]] = []  # sample indices per answer class, in order of first appearance
+    for i, a in enumerate(answers):
+        if a is None:
+            continue
+        for g in groups:
+            rep = answers[g[0]]
+            if a == rep or (same is not None and same(a, rep)):
+                g.append(i)
+                break
+        else:
+            groups.append([i])
+    if not groups:
         return False
-    best = max(votes.values())
-    winner = next(a for a in answers if a is not None and votes[a] == best)
-    return any(c for a, c in zip(answers, correct) if a == winner)
+    best = max(groups, key=len)  # max keeps the first of equal sizes
+    return any(correct[i] for i in best)
 
 
-def benchmark_metrics(per_problem: list[dict]) -> dict[str, float]:
+def bootstrap_ci(values: Sequence[float], n_boot: int = 1000, seed: int = 0, level: float = 0.95) -> tuple[float, float]:
+    """A percentile bootstrap interval of the mean of `values` (resampled with replacement)."""
+    if not values:
+        return (float("nan"), float("nan"))
+    rng = random.Random(seed)
+    k = len(values)
+    means = sorted(sum(values[rng.randrange(k)] for _ in range(k)) / k for _ in range(n_boot))
+    lo = means[int((1 - level) / 2 * n_boot)]
+    hi = means[min(n_boot - 1, int((1 + level) / 2 * n_boot))]
+    return (lo, hi)
+
+
+def benchmark_metrics(per_problem: list[dict], same: Optional[Callable[[str, str], bool]] = None) -> dict:
     """per_problem: [{'correct': [bool]*n, 'answers': [str|None]*n, 'lengths': [int]*n,
-    'finished': [bool]*n, 'reflection': float}] -> metrics in percent (lengths in tokens)."""
+    'finished': [bool]*n, 'reflection': float}] -> metrics in percent (lengths in tokens).
+    `same`: answer equivalence for maj@k (default: equal strings)."""
     if not per_problem:
         return {}
     n = min(len(p["correct"]) for p in per_problem)
-    out: dict[str, float] = {"n": n, "problems": len(per_problem)}
-    out[f"avg@{n}"] = 100 * sum(sum(p["correct"][:n]) / n for p in per_problem) / len(per_problem)
+    out: dict = {"n": n, "problems": len(per_problem)}
+    acc = [sum(p["correct"][:n]) / n for p in per_problem]
+    out[f"avg@{n}"] = 100 * sum(acc) / len(acc)
+    out[f"ci95/avg@{n}"] = [100 * x for x in bootstrap_ci(acc)]
     for k in ks_for(n):
         out[f"pass@{k}"] = 100 * sum(pass_at_k(n, sum(p["correct"][:n]), k) for p in per_problem) / len(per_problem)
-        out[f"maj@{k}"] = 100 * sum(majority_correct(p["answers"][:k], p["correct"][:k]) for p in per_problem) / len(per_problem)
+        out[f"maj@{k}"] = 100 * sum(majority_correct(p["answers"][:k], p["correct"][:k], same)
+                                    for p in per_problem) / len(per_problem)
     lens = [x for p in per_problem for x in p["lengths"][:n]]
     fins = [x for p in per_problem for x in p["finished"][:n]]
     out["len/mean"] = sum(lens) / len(lens)

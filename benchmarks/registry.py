@@ -90,8 +90,35 @@ def _pick(row: dict, fields: tuple[str, ...], what: str, name: str) -> str:
     raise StareError(f"{name}: no {what} field (tried {', '.join(fields)}); fields: {', '.join(row)}")
 
 
+def read_jsonl_rows(path: Path) -> list[dict]:
+    """Rows of a JSONL data file; a bad line, a non-object, an empty file or undecodable bytes fail
+    with the file and line."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise StareError(f"{path}: not UTF-8 text (byte {e.start})", hint="save the file as UTF-8 JSONL") from None
+    except OSError as e:
+        raise StareError(f"{path}: cannot read ({e.strerror})") from None
+    rows = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise StareError(f"{path}:{n}: not valid JSON ({e.msg})", hint="one JSON object per line") from None
+        if not isinstance(row, dict):
+            raise StareError(f"{path}:{n}: a row must be a JSON object, not {type(row).__name__}")
+        rows.append(row)
+    if not rows:
+        raise StareError(f"{path}: no problems (the file is empty)", hint="rows need `problem` and `answer` fields")
+    return rows
+
+
 def load_benchmark(name: str, limit: Optional[int] = None, data_file: Optional[str] = None) -> list[dict]:
-    """Rows {'problem', 'answer', 'idx'}: from data_file, $STARE_DATA_DIR/<name>.jsonl, or the hub."""
+    """Rows {'problem', 'answer', 'idx'}: from data_file, $STARE_DATA_DIR/<name>.jsonl, or the hub.
+
+    With STARE_DATA_DIR set, a benchmark missing from it is an error (no silent hub download)."""
     spec = check_benchmark(name)
     if name.startswith("toy:"):
         from stare_cli.toy import problems, tool_problems
@@ -101,13 +128,15 @@ def load_benchmark(name: str, limit: Optional[int] = None, data_file: Optional[s
                 for i, r in enumerate(gen(limit or spec.size, seed=999_999))]
     path = Path(data_file) if data_file else None
     if path is None and os.environ.get("STARE_DATA_DIR"):
-        cand = Path(os.environ["STARE_DATA_DIR"]) / f"{name}.jsonl"
-        if cand.exists():
-            path = cand
+        path = Path(os.environ["STARE_DATA_DIR"]) / f"{name}.jsonl"
+        if not path.exists():
+            raise StareError(f"{name}: STARE_DATA_DIR={os.environ['STARE_DATA_DIR']} has no {name}.jsonl",
+                             hint=f"add {name}.jsonl (fields problem, answer) there, or unset STARE_DATA_DIR to use the hub")
     if path is not None:
         if not path.exists():
             raise StareError(f"{name}: data file '{path}' not found")
-        raw = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        raw = read_jsonl_rows(path)
+        where = lambda i: f"{path}:{i + 1}"  # noqa: E731
     else:
         try:
             import datasets
@@ -119,8 +148,10 @@ def load_benchmark(name: str, limit: Optional[int] = None, data_file: Optional[s
                 hint=f"pass --data-file FILE.jsonl or set STARE_DATA_DIR to a folder with {name}.jsonl "
                 "(fields: problem, answer)",
             ) from None
+        where = lambda i: f"{spec.hub_id} row {i}"  # noqa: E731
     rows = [
-        {"idx": i, "problem": _pick(r, spec.problem_fields, "problem", name), "answer": _pick(r, spec.answer_fields, "answer", name)}
+        {"idx": i, "problem": _pick(r, spec.problem_fields, "problem", where(i)),
+         "answer": _pick(r, spec.answer_fields, "answer", where(i))}
         for i, r in enumerate(raw)
     ]
     return rows[:limit] if limit else rows

@@ -171,8 +171,12 @@ class Harness(str, Enum):
 
 @app.command("eval", rich_help_panel="Evaluation")
 def eval_cmd(
-    bench: Annotated[list[str], typer.Option("--bench", "-b", help="Benchmark, repeatable; 'paper' = all six.")],
-    model: Annotated[str, typer.Option(help="Model directory, run directory or checkpoint, hub id, or toy:arith.")],
+    bench: Annotated[
+        Optional[list[str]], typer.Option("--bench", "-b", help="Benchmark, repeatable; 'paper' = all six.")
+    ] = None,
+    model: Annotated[
+        Optional[str], typer.Option(help="Model directory, run directory or checkpoint, hub id, or toy:arith.")
+    ] = None,
     engine: Annotated[Engine, typer.Option(help="Generation engine (auto: vLLM with a GPU, else HF).")] = Engine.auto,
     n: Annotated[Optional[int], typer.Option("-n", min=1, help="Samples per problem (default: the paper's).")] = None,
     limit: Annotated[Optional[int], typer.Option(min=1, help="Only the first K problems.")] = None,
@@ -192,9 +196,25 @@ def eval_cmd(
     tools: Annotated[Optional[str], typer.Option(help="Let the model call a tool: 'python' (sandboxed).")] = None,
     tensor_parallel: Annotated[int, typer.Option(min=1, help="vLLM tensor parallel size.")] = 1,
     gpu_memory_utilization: Annotated[float, typer.Option(min=0.05, max=1.0, help="vLLM share of GPU memory.")] = 0.85,
+    regrade: Annotated[
+        Optional[Path], typer.Option(help="Grade the saved samples of this eval folder again (--grader), no generation.")
+    ] = None,
+    wandb: Annotated[Optional[str], typer.Option(help="Log the results to wandb: offline or online.")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Evaluate a model on math benchmarks (avg@N, pass@k, maj@k)."""
+    if wandb is not None and wandb not in ("offline", "online"):
+        raise typer.BadParameter("offline or online", param_hint="--wandb")
+    if regrade is not None:
+        from benchmarks.evaluate import regrade as regrade_folder
+        from benchmarks.grading import check_grader
+
+        check_grader(grader)
+        rows = {b: r["metrics"] for b, r in regrade_folder(regrade, grader, workers).items()}
+        _print_eval(rows, f"regraded {regrade} with {grader}", as_json)
+        return
+    if not bench or not model:
+        raise typer.BadParameter("--bench and --model are needed (or --regrade DIR)")
     if harness == Harness.lm_eval:
         from benchmarks import lm_eval_bridge
         from benchmarks.evaluate import resolve_model
@@ -210,22 +230,26 @@ def eval_cmd(
 
     check_grader(grader)  # before any model loads
     results = run_eval(model, bench, engine.value, n, limit, out, template.value, temperature, top_p, max_tokens,
-                       seed, data_file, base_url, workers, tools=tools, grader=grader,
+                       seed, data_file, base_url, workers, tools=tools, grader=grader, wandb_mode=wandb,
                        vllm_kwargs={"tensor_parallel_size": tensor_parallel, "gpu_memory_utilization": gpu_memory_utilization})
-    rows = {b: r["metrics"] for b, r in results.items()}
+    _print_eval({b: r["metrics"] for b, r in results.items()}, f"stare eval: {model} ({grader})", as_json)
+
+
+def _print_eval(rows: dict, title: str, as_json: bool) -> None:
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"stare eval: {model}")
-    for col in ("benchmark", "N", "avg@N", "pass@N", "maj@N", "len", "truncated %", "problems"):
+    t = Table(title=title)
+    for col in ("benchmark", "N", "avg@N [95% CI]", "pass@N", "maj@N", "len", "truncated %", "problems"):
         t.add_column(col)
     for b, m in rows.items():
         N = m["n"]
-        t.add_row(b, str(N), f"{m[f'avg@{N}']:.1f}", f"{m[f'pass@{N}']:.1f}", f"{m[f'maj@{N}']:.1f}",
-                  f"{m['len/mean']:.0f}", f"{m['truncated']:.1f}", str(m["problems"]))
+        lo, hi = m.get(f"ci95/avg@{N}", [float("nan")] * 2)
+        t.add_row(b, str(N), f"{m[f'avg@{N}']:.1f} [{lo:.1f}, {hi:.1f}]", f"{m[f'pass@{N}']:.1f}",
+                  f"{m[f'maj@{N}']:.1f}", f"{m['len/mean']:.0f}", f"{m['truncated']:.1f}", str(m["problems"]))
     if len(rows) > 1:
         avg = sum(m[f"avg@{m['n']}"] for m in rows.values()) / len(rows)
         t.add_row("average", "", f"{avg:.1f}", "", "", "", "", "")
@@ -250,6 +274,8 @@ def compare(
     baseline: Annotated[Optional[str], typer.Option(help="Method for the delta column, e.g. grpo-ds.")] = None,
     metric: Annotated[str, typer.Option(help="avg (avg@N), pass@k or maj@k, e.g. pass@8.")] = "avg",
     plot: Annotated[Optional[Path], typer.Option(help="Write training-dynamics and pass@k plots (PNG, SVG) here.")] = None,
+    ci: Annotated[bool, typer.Option("--ci", help="95% bootstrap intervals: over seeds where a row has several, "
+                                     "else over problems.")] = False,
 ) -> None:
     """Tables and plots of runs beside the paper's numbers."""
     import re
@@ -288,9 +314,9 @@ def compare(
         for p in made:
             print(f"wrote {p}", file=sys.stderr)
     if fmt == Format.table and out is None:
-        C.print_rich(rows, info, deltas, cols)
+        C.print_rich(rows, info, deltas, cols, ci)
         return
-    text = C.render(rows, info, "md" if fmt == Format.table else fmt.value, deltas, cols)
+    text = C.render(rows, info, "md" if fmt == Format.table else fmt.value, deltas, cols, ci)
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text)

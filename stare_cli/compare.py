@@ -45,6 +45,27 @@ class Result:
     metrics: dict[str, dict] = field(default_factory=dict)  # bench -> metrics
     protocol: dict[str, tuple] = field(default_factory=dict)  # bench -> (n, T, top_p, template, max_tokens, limited)
     metrics_rows: list[dict] = field(default_factory=list)
+    config: dict[str, object] = field(default_factory=dict)  # what makes this run differ from another of its label
+
+
+# Recipe keys that tell runs of one method apart (the seed makes seeds of one run, not a new run).
+_NOT_A_VARIANT = ("name", "description", "optim.seed", "optim.total_steps", "logging.", "checkpoint.", "eval.",
+                  "backend.embedded.", "backend.verl.nnodes", "backend.verl.n_gpus_per_node", "backend.verl.shared_dir",
+                  "backend.verl.device", "backend.verl.extra_overrides", "paper")
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _variant(cfg: dict) -> dict[str, object]:
+    return {k: v for k, v in _flat(cfg).items() if not k.startswith(_NOT_A_VARIANT) and k not in _NOT_A_VARIANT}
 
 
 def _protocol(res: dict) -> tuple:
@@ -116,7 +137,7 @@ def load_inputs(paths: list[Path]) -> list[Result]:
             raise StareError(f"compare: '{p}' does not exist")
         if (p / "config.yaml").exists():  # a training run
             cfg = yaml.safe_load((p / "config.yaml").read_text())
-            r = Result(label=cfg["method"]["name"], seed=cfg["optim"]["seed"], source=str(p))
+            r = Result(label=cfg["method"]["name"], seed=cfg["optim"]["seed"], source=str(p), config=_variant(cfg))
             r.metrics_rows = read_jsonl(p / "metrics.jsonl")
             results = _collect_results(p / "eval") if (p / "eval").exists() else {}
             if not results and cfg.get("backend", {}).get("name") == "verl":
@@ -127,7 +148,7 @@ def load_inputs(paths: list[Path]) -> list[Result]:
                 raise StareError(f"compare: '{p}' is neither a run directory nor holds results.json files")
             model = next(iter(results.values()))["settings"]["model"]
             r = Result(label=Path(model).name or model, seed=next(iter(results.values()))["settings"].get("seed"),
-                       source=str(p))
+                       source=str(p), config={"model": model})
         for b, res in results.items():
             r.metrics[b] = res["metrics"]
             r.protocol[b] = _protocol(res)
@@ -146,6 +167,7 @@ class Row:
     label: str
     cells: dict[str, Optional[tuple[float, float, int]]]  # bench -> (mean, std, seeds)
     avg: Optional[tuple[float, float, int]]
+    ci: dict[str, tuple[float, float]] = field(default_factory=dict)  # bench -> 95% interval (seeds, or problems)
     paper: bool = False
     prior: bool = False
     flagged: bool = False
@@ -162,9 +184,20 @@ def columns(results: list[Result], with_paper: bool) -> tuple[str, ...]:
 
 def build_rows(results: list[Result], metric: str = "avg", benches: tuple[str, ...] = PAPER_ORDER) -> tuple[list[Row], dict]:
     """Group by (label, protocol of each benchmark); mean ± std over seeds. Returns rows and header info."""
-    by_label: dict[str, list[Result]] = {}
+    from benchmarks.metrics import bootstrap_ci
+
+    by_method: dict[str, list[Result]] = {}
     for r in results:
-        by_label.setdefault(r.label, []).append(r)
+        by_method.setdefault(r.label, []).append(r)
+    by_label: dict[str, list[Result]] = {}
+    for label, rs in by_method.items():
+        # Runs of one method that differ in their recipe (beyond the seed) are different rows, labelled
+        # by what differs: "STARE-O1 [method.stare.W=2.0]".
+        keys = sorted({k for r in rs for k in r.config} )
+        differ = [k for k in keys if len({json.dumps(r.config.get(k), sort_keys=True) for r in rs}) > 1]
+        for r in rs:
+            tag = ", ".join(f"{k.removeprefix('method.')}={r.config.get(k)}" for k in differ)
+            by_label.setdefault(f"{label} [{tag}]" if tag else label, []).append(r)
     groups: dict[tuple, list[Result]] = {}
     for label, rs in by_label.items():
         # Split a method's seeds only where they disagree on a benchmark's protocol; a seed that
@@ -181,15 +214,21 @@ def build_rows(results: list[Result], metric: str = "avg", benches: tuple[str, .
     rows = []
     for (label, _), rs in groups.items():
         cells: dict[str, Optional[tuple[float, float, int]]] = {}
+        ci: dict[str, tuple[float, float]] = {}
         for b in benches:
-            vals = []
+            vals, problem_ci = [], None
             for r in rs:
                 if b in r.metrics:
                     m = r.metrics[b]
                     k = metric_key(metric, m["n"])
                     if k in m:
                         vals.append(m[k])
+                        problem_ci = m.get(f"ci95/{k}")
             cells[b] = (statistics.fmean(vals), statistics.stdev(vals) if len(vals) > 1 else 0.0, len(vals)) if vals else None
+            if len(vals) > 1:  # over seeds
+                ci[b] = bootstrap_ci(vals)
+            elif problem_ci:  # one seed: over problems (from results.json)
+                ci[b] = tuple(problem_ci)
         per_seed_avgs = []
         for r in rs:
             vs = [r.metrics[b][metric_key(metric, r.metrics[b]["n"])] for b in benches if b in r.metrics
@@ -203,7 +242,9 @@ def build_rows(results: list[Result], metric: str = "avg", benches: tuple[str, .
         lim = any(p[5] for p in proto.values())
         note = "; ".join(f"{b}: N={p[0]} T={p[1]} top_p={p[2]} {p[3]} max={p[4]}{' limited' if p[5] else ''}"
                          for b, p in proto.items() if b in mixed) if flagged else ("limited" if lim else "")
-        rows.append(Row(label, cells, avg, flagged=flagged or lim, note=note))
+        if len(per_seed_avgs) > 1:
+            ci["avg"] = bootstrap_ci(per_seed_avgs)
+        rows.append(Row(label, cells, avg, ci=ci, flagged=flagged or lim, note=note))
     ns = sorted({r.metrics[b]["n"] for r in results for b in r.metrics})
     return rows, {"metric": metric, "ns": ns, "mixed": sorted(mixed)}
 
@@ -229,7 +270,8 @@ def paper_rows(scenario: str, benches: tuple[str, ...] = PAPER_ORDER) -> list[Ro
 def _title(label: str) -> str:
     from baselines.registry import METHODS
 
-    return METHODS[label].title if label in METHODS else label
+    name, sep, rest = label.partition(" [")
+    return (METHODS[name].title if name in METHODS else name) + (sep + rest if sep else "")
 
 
 def add_delta(rows: list[Row], baseline: Optional[str]) -> dict[int, Optional[float]]:
@@ -245,15 +287,16 @@ def add_delta(rows: list[Row], baseline: Optional[str]) -> dict[int, Optional[fl
     return {i: (r.avg[0] - base.avg[0]) if r.avg else None for i, r in enumerate(rows)}
 
 
-def _fmt(cell: Optional[tuple[float, float, int]], with_std: bool) -> str:
+def _fmt(cell: Optional[tuple[float, float, int]], with_std: bool, ci: Optional[tuple[float, float]] = None) -> str:
     if cell is None:
         return "–"
     m, s, k = cell
-    return f"{m:.1f} ± {s:.1f}" if with_std and k > 1 else f"{m:.1f}"
+    txt = f"{m:.1f} ± {s:.1f}" if with_std and k > 1 else f"{m:.1f}"
+    return f"{txt} [{ci[0]:.1f}, {ci[1]:.1f}]" if ci else txt
 
 
 def render(rows: list[Row], info: dict, fmt: str, deltas: dict[int, Optional[float]],
-           benches: tuple[str, ...] = PAPER_ORDER) -> str:
+           benches: tuple[str, ...] = PAPER_ORDER, with_ci: bool = False) -> str:
     metric = info["metric"]
     ns = info["ns"]
     mlabel = {"avg": "avg@N"}.get(metric, metric)
@@ -263,7 +306,7 @@ def render(rows: list[Row], info: dict, fmt: str, deltas: dict[int, Optional[flo
     for b in [*benches, "avg"]:
         vals = [(r.avg if b == "avg" else r.cells.get(b)) for r in rows]
         vals = [v[0] for v in vals if v is not None]
-        best[b] = max(vals) if vals else None
+        best[b] = max(vals) if len(vals) >= 2 else None  # bold means best of several
     body = []
     for i, r in enumerate(rows):
         label = _title(r.label) if not r.paper else r.label
@@ -273,8 +316,8 @@ def render(rows: list[Row], info: dict, fmt: str, deltas: dict[int, Optional[flo
         cells = []
         for b in [*benches, "avg"]:
             c = r.avg if b == "avg" else r.cells.get(b)
-            cells.append((_fmt(c, fmt != "csv" and fmt != "json"), c is not None and best[b] is not None
-                          and math.isclose(c[0], best[b], abs_tol=1e-9)))
+            cells.append((_fmt(c, fmt != "csv" and fmt != "json", r.ci.get(b) if with_ci else None),
+                          c is not None and best[b] is not None and math.isclose(c[0], best[b], abs_tol=1e-9)))
         d = deltas.get(i) if deltas else None
         seeds = max((c[2] for c in [*r.cells.values(), r.avg] if c), default=0)
         body.append((label, cells, d, "paper" if r.paper else str(seeds), r))
@@ -283,17 +326,26 @@ def render(rows: list[Row], info: dict, fmt: str, deltas: dict[int, Optional[flo
             "metric": metric, "n": ns, "benchmarks": list(benches), "mixed_protocols": info["mixed"],
             "rows": [{"label": lab, "paper": r.paper, "from_prior_work": r.prior, "flagged": r.flagged, "note": r.note,
                       "cells": {b: (None if (r.avg if b == "avg" else r.cells.get(b)) is None else
-                                    dict(zip(("mean", "std", "seeds"), (r.avg if b == "avg" else r.cells[b]))))
+                                    {**dict(zip(("mean", "std", "seeds"), (r.avg if b == "avg" else r.cells[b]))),
+                                     **({"ci95": list(r.ci[b])} if b in r.ci else {})})
                                 for b in [*benches, "avg"]},
                       "delta_avg": d} for lab, _, d, _, r in body],
         }, indent=2)
     dtxt = lambda d: "–" if d is None else f"{d:+.1f}"  # noqa: E731
-    if fmt == "csv":
+    if fmt == "csv":  # numbers only: empty cells where there is none, marks in the notes column
         buf = io.StringIO()
         w = csv.writer(buf, lineterminator="\n")
-        w.writerow(header)
-        for lab, cells, d, seeds, _ in body:
-            w.writerow([lab, *[c for c, _ in cells], *([dtxt(d)] if deltas else []), seeds])
+        cols = [*benches, "avg"]
+        ci_head = [f"{h} CI{e}" for b, h in zip(cols, header[1:len(cols) + 1]) for e in (" low", " high")] if with_ci else []
+        w.writerow([*header, *ci_head, "notes"])
+        for lab, _, d, seeds, r in body:
+            vals = [(r.avg if b == "avg" else r.cells.get(b)) for b in cols]
+            nums = ["" if v is None else f"{v[0]:.1f}" for v in vals]
+            cis = [("" if b not in r.ci else f"{r.ci[b][i]:.1f}") for b in cols for i in (0, 1)] if with_ci else []
+            note = "; ".join(x for x in ["from prior work (not run under the paper's recipe)" if r.prior else "",
+                                         f"different or reduced protocol: {r.note}" if r.flagged else ""] if x)
+            name = _title(r.label) if not r.paper else r.label
+            w.writerow([name, *nums, *(["" if d is None else f"{d:.1f}"] if deltas else []), seeds, *cis, note])
         return buf.getvalue()
     notes = []
     if any(r.prior for r in rows):
@@ -321,7 +373,7 @@ def render(rows: list[Row], info: dict, fmt: str, deltas: dict[int, Optional[flo
     raise StareError(f"unknown format '{fmt}'")
 
 
-def print_rich(rows: list[Row], info: dict, deltas, benches=PAPER_ORDER) -> None:
+def print_rich(rows: list[Row], info: dict, deltas, benches=PAPER_ORDER, with_ci: bool = False) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -335,7 +387,7 @@ def print_rich(rows: list[Row], info: dict, deltas, benches=PAPER_ORDER) -> None
     if deltas:
         t.add_column("Δ Avg", justify="right")
     t.add_column("seeds", justify="right")
-    md = render(rows, info, "md", deltas, benches).splitlines()
+    md = render(rows, info, "md", deltas, benches, with_ci).splitlines()
     table_lines = [ln for ln in md if ln.startswith("| ") and not ln.startswith("| Method")]
     for ln, r in zip(table_lines, data["rows"]):
         cells = [c.strip() for c in ln.strip("|").split("|")]
@@ -348,6 +400,12 @@ def print_rich(rows: list[Row], info: dict, deltas, benches=PAPER_ORDER) -> None
             c.print(ln)
 
 
+def legend_labels(results: list[Result]) -> list[str]:
+    """One legend entry per input, never two alike: the method and seed, then the folder if still ambiguous."""
+    first = [f"{_title(r.label)} (seed {r.seed})" for r in results]
+    return [f"{v} {Path(r.source).name}" if first.count(v) > 1 else v for v, r in zip(first, results)]
+
+
 def passk_plot(results: list[Result], out_dir: Path) -> list[Path]:
     import matplotlib
 
@@ -358,6 +416,7 @@ def passk_plot(results: list[Result], out_dir: Path) -> list[Path]:
     benches = [b for b in PAPER_ORDER if b in present] + sorted(present - set(PAPER_ORDER))
     if not benches:
         return []
+    labels = dict(zip(map(id, results), legend_labels(results)))
     fig, axes = plt.subplots(1, len(benches), figsize=(3.6 * len(benches), 3.2), squeeze=False)
     for ax, b in zip(axes[0], benches):
         for r in results:
@@ -365,7 +424,7 @@ def passk_plot(results: list[Result], out_dir: Path) -> list[Path]:
             if not m:
                 continue
             ks = sorted(int(k.split("@")[1]) for k in m if k.startswith("pass@"))
-            ax.plot(ks, [m[f"pass@{k}"] for k in ks], marker="o", label=f"{_title(r.label)} (seed {r.seed})")
+            ax.plot(ks, [m[f"pass@{k}"] for k in ks], marker="o", label=labels[id(r)])
         ax.set_xscale("log", base=2)
         ax.set_title(BENCHMARKS[b].title)
         ax.set_xlabel("k")

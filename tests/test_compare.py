@@ -29,11 +29,13 @@ def _results(folder: Path, bench: str, avg: float, n: int, temperature=1.0, top_
     (d / "results.json").write_text(json.dumps(res))
 
 
-def _run(root: Path, method: str, seed: int, scores: dict, n_of=lambda b: 32 if b in BENCHES[:3] else 4, **kw):
-    run = root / f"r__{method}__seed{seed}"
+def _run(root: Path, method: str, seed: int, scores: dict, n_of=lambda b: 32 if b in BENCHES[:3] else 4, W=1.1,
+         tag="", **kw):
+    run = root / f"r__{method}__seed{seed}{tag}"
     (run / "eval" / "step-000100").mkdir(parents=True)
     (run / "config.yaml").write_text(
-        f"name: short-cot/qwen2.5-math-7b\nmethod:\n  name: {method}\n  stare:\n    h_tgt: 0.3\noptim:\n  seed: {seed}\n")
+        f"name: short-cot/qwen2.5-math-7b\nmethod:\n  name: {method}\n  stare:\n    h_tgt: 0.3\n    W: {W}\n"
+        f"optim:\n  seed: {seed}\n")
     rows = [{"step": s, "entropy": 0.5 - 0.001 * s * (1 if method == "grpo-ds" else 0.3), "reward": 0.3 + 0.001 * s,
              "full_solve": 0.1, "len/mean": 300 + s} for s in range(1, 101)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -126,3 +128,59 @@ def test_eval_output_directories_and_plots(cli, tmp_path, runs):
 def test_not_a_run_or_results_dir(cli, tmp_path):
     code, _, err = cli("compare", str(tmp_path))
     assert code == 1 and "neither a run directory" in err
+
+
+def test_runs_that_differ_get_distinct_labels_and_are_not_averaged(cli, tmp_path):
+    a = _run(tmp_path, "stare-o1", 1, {"aime24": 30.0}, W=1.1, tag="a")
+    b = _run(tmp_path, "stare-o1", 1, {"aime24": 40.0}, W=2.0, tag="b")
+    code, out, _ = cli("compare", str(a), str(b), "--format", "json")
+    labels = sorted(r["label"] for r in json.loads(out)["rows"])
+    assert labels == ["STARE-O1 [stare.W=1.1]", "STARE-O1 [stare.W=2.0]"]
+
+
+def test_bold_only_where_a_column_has_several_values(cli, tmp_path):
+    one = _run(tmp_path, "grpo-ds", 1, {b: 50.0 for b in BENCHES})
+    code, md, _ = cli("compare", str(one), "--format", "md")
+    assert "**" not in md  # one value per column: nothing is "best"
+    two = _run(tmp_path, "stare-o1", 1, {b: 60.0 for b in BENCHES})
+    code, md, _ = cli("compare", str(one), str(two), "--format", "md")
+    assert "**60.0**" in md and "**50.0**" not in md
+
+
+def test_csv_is_numeric_with_empty_cells_and_notes(cli, tmp_path):
+    run = _run(tmp_path, "grpo-ds", 1, {"aime24": 30.0})
+    code, out, _ = cli("compare", str(run), "--format", "csv", "--paper", "short-cot/qwen2.5-math-7b")
+    import csv as _csv
+    import io
+
+    rows = list(_csv.DictReader(io.StringIO(out)))
+    ours = next(r for r in rows if r["Method"] == "GRPO-ds")
+    assert ours["AIME24"] == "30.0" and ours["AIME25"] == "" and ours["Avg"] == "" and ours["notes"] == ""
+    for r in rows:
+        for b in ("AIME24", "Avg"):
+            assert r[b] == "" or float(r[b]) >= 0  # numbers only
+    assert next(r for r in rows if r["Method"] == "DAPO (paper)")["notes"].startswith("from prior work")
+
+
+def test_ci_over_seeds_and_over_problems(cli, tmp_path):
+    s1 = _run(tmp_path, "grpo-ds", 1, {"aime24": 30.0})
+    s2 = _run(tmp_path, "grpo-ds", 2, {"aime24": 40.0})
+    code, out, _ = cli("compare", str(s1), str(s2), "--format", "json", "--ci")
+    cell = json.loads(out)["rows"][0]["cells"]["aime24"]
+    assert cell["seeds"] == 2 and 30.0 <= cell["ci95"][0] <= cell["ci95"][1] <= 40.0
+    one = _run(tmp_path / "one", "grpo-ds", 1, {"aime24": 30.0})
+    res = one / "eval" / "step-000100" / "aime24" / "results.json"
+    data = json.loads(res.read_text())
+    data["metrics"]["ci95/avg@32"] = [20.0, 41.0]
+    res.write_text(json.dumps(data))
+    code, md, _ = cli("compare", str(one), "--format", "md", "--ci")
+    assert "30.0 [20.0, 41.0]" in md
+
+
+def test_pass_at_k_legend_labels_are_distinct(tmp_path):
+    from stare_cli.compare import Result, legend_labels
+
+    rs = [Result("stare-o1", 1, str(tmp_path / "a")), Result("stare-o1", 1, str(tmp_path / "b")),
+          Result("grpo-ds", 1, str(tmp_path / "c"))]
+    labels = legend_labels(rs)
+    assert len(set(labels)) == 3 and labels[2] == "GRPO-ds (seed 1)" and labels[0].endswith(" a")

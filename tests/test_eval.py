@@ -367,3 +367,101 @@ def test_sampling_filters_follow_transformers_order():
     # temperature 0.5 squares the probabilities before renormalising: 0.25/0.09/... proportions
     p = _filter_logits(logits, 0.5, -1, 1.0).softmax(-1)[0]
     assert p[0] / p[1] == pytest.approx((0.5 / 0.3) ** 2)
+
+
+# --------------------------------------------------------------------- nothing lost, re-gradable
+def test_other_settings_never_delete_samples_and_write_results_beside(cli, tmp_path, tiny_model):
+    data = _many_problems(tmp_path / "p.jsonl", 10)
+    out = tmp_path / "ev"
+    assert cli(*_eval_args(tiny_model, out, limit=10, n=2, data=data))[0] == 0
+    assert cli(*_eval_args(tiny_model, out, limit=4, n=2, data=data))[0] == 0  # the limit is part of the key
+    assert cli(*_eval_args(tiny_model, out, limit=10, n=1, data=data))[0] == 0
+    rows = [json.loads(x) for x in (out / "math500" / "samples.jsonl").read_text().splitlines()]
+    assert len(rows) == 10 * 2 + 4 * 2 + 10 * 1 and len({r["key"] for r in rows}) == 3
+    results = sorted((out / "math500" / "results").glob("*.json"))
+    assert len(results) == 3 and json.loads((out / "math500" / "results.json").read_text())["settings"]["n"] == 1
+    assert cli(*_eval_args(tiny_model, out, limit=10, n=2, data=data))[0] == 0  # again: nothing new, nothing lost
+    assert len((out / "math500" / "samples.jsonl").read_text().splitlines()) == len(rows)
+
+
+def test_regrade_grades_saved_samples_without_generating(cli, tmp_path, tiny_model):
+    data = _many_problems(tmp_path / "p.jsonl", 4)
+    out = tmp_path / "ev"
+    assert cli(*_eval_args(tiny_model, out, limit=4, n=2, data=data))[0] == 0
+    before = (out / "math500" / "samples.jsonl").read_text().splitlines()
+    code, text, err = cli("eval", "--regrade", str(out), "--grader", "stare-official-3way", "--workers", "0", "--json")
+    assert code == 0, err
+    assert json.loads(text)["math500"]["n"] == 2
+    after = [json.loads(x) for x in (out / "math500" / "samples.jsonl").read_text().splitlines()]
+    assert [r["response"] for r in after] == [json.loads(x)["response"] for x in before]
+    assert all(set(r["verdicts"]) == {"math-verify@3", "stare-official-3way@1"} for r in after)  # both kept
+    names = sorted(p.name.split("-", 1)[1] for p in (out / "math500" / "results").glob("*.json"))
+    assert names == ["math-verify.json", "stare-official-3way.json"]
+    code, _, err = cli("eval", "--regrade", str(tmp_path / "nothing"), "--grader", "math-verify")
+    assert code == 1 and "no samples.jsonl" in err
+
+
+@pytest.mark.parametrize("content,message", [
+    ('{"problem": "a", "answer": "1"}\n{"problem": "b", "answer":\n', "p.jsonl:2: not valid JSON"),
+    ("", "p.jsonl: no problems (the file is empty)"),
+    ('["a", "1"]\n', "p.jsonl:1: a row must be a JSON object"),
+    ('{"question_text": "a", "answer": "1"}\n', "p.jsonl:1: no problem field"),
+])
+def test_bad_data_is_found_before_the_model_loads(cli, tmp_path, content, message):
+    data = tmp_path / "p.jsonl"
+    data.write_text(content)
+    # the model does not exist: the data error comes first
+    code, _, err = cli("eval", "--bench", "math500", "--model", str(tmp_path / "no-model"), "--data-file", str(data),
+                       "--out", str(tmp_path / "ev"), "--engine", "hf")
+    assert code == 1 and message in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "ev" / "math500" / "results.json").exists()
+
+
+def test_unwritable_out_and_missing_data_dir_files_say_what_to_do(cli, tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    code, _, err = cli("eval", "--bench", "math500", "--model", str(tmp_path / "m"), "--out", str(blocker / "sub"),
+                       "--data-file", str(FIXTURE_DATA / "math500.jsonl"), "--engine", "hf")
+    assert code == 1 and "cannot write there" in err and "hint" in err
+    monkeypatch.setenv("STARE_DATA_DIR", str(tmp_path))
+    code, _, err = cli("eval", "--bench", "aime24", "--model", str(tmp_path / "m"), "--engine", "hf")
+    assert code == 1 and f"STARE_DATA_DIR={tmp_path} has no aime24.jsonl" in err
+
+
+def test_majority_votes_on_answers_the_grader_calls_equal():
+    from benchmarks.grading import judge
+
+    same = lambda a, b: judge(a, b)[0]  # noqa: E731
+    answers = ["\\frac{1}{2}", "0.5", "3", "1/2", "3"]
+    correct = [True, True, False, True, False]
+    assert majority_correct(answers, correct) is False  # as strings "3" wins (2 votes)
+    assert majority_correct(answers, correct, same) is True  # 1/2 in three forms wins (3 votes)
+
+
+def test_bootstrap_interval_brackets_the_mean():
+    from benchmarks.metrics import bootstrap_ci
+
+    vals = [1.0] * 30 + [0.0] * 70
+    lo, hi = bootstrap_ci(vals)
+    assert lo < 0.3 < hi and hi - lo < 0.25
+    assert bootstrap_ci([1.0, 1.0]) == (1.0, 1.0)
+    m = benchmark_metrics([{"correct": [True, False], "answers": ["1", "2"], "lengths": [3, 4], "finished": [True, True]}])
+    assert m["ci95/avg@2"] == [50.0, 50.0]
+
+
+def test_progress_lines_without_a_terminal(cli, tmp_path, tiny_model):
+    data = _many_problems(tmp_path / "p.jsonl", 16)
+    code, _, err = cli(*_eval_args(tiny_model, tmp_path / "ev", limit=16, n=1, data=data))
+    assert code == 0
+    lines = [x for x in err.splitlines() if x.startswith("math500: ") and "problems" in x]
+    assert lines and lines[-1].startswith("math500: 16/16 problems") and "/s, ETA" in lines[-1]
+
+
+def test_eval_results_go_to_wandb_offline(cli, tmp_path, tiny_model, monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    code, _, err = cli(*_eval_args(tiny_model, tmp_path / "ev", limit=2, n=1), "--wandb", "offline")
+    assert code == 0, err
+    runs = list((tmp_path / "ev" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and any(runs[0].rglob("*.wandb"))
+    code, _, err = cli(*_eval_args(tiny_model, tmp_path / "ev", limit=2, n=1), "--wandb", "sometimes")
+    assert code == 2
