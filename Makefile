@@ -8,7 +8,8 @@ TORCH ?= torch==2.13.0
 
 .PHONY: demo test clean
 
-# One stamp per set of extras: `make demo` needs the core only, `make test` also verl (parity tests).
+# One stamp per set of extras: `make demo` needs the core only, `make test` also verl (parity tests) and
+# lm-eval (the bridge runs for real in a test).
 $(VENV)/.stamp-%: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	@if command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install -q "torch>=2.4"; \
@@ -19,7 +20,7 @@ $(VENV)/.stamp-%: pyproject.toml
 demo: $(VENV)/.stamp-dev
 	OMP_NUM_THREADS=1 $(BIN)/stare demo
 
-test: $(VENV)/.stamp-dev,verl
+test: $(VENV)/.stamp-dev,verl,lm-eval
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
 
 clean:

@@ -2,7 +2,7 @@
 
 Per (model, benchmark) the output folder holds:
 - `samples.jsonl`: one row per sample. Its `key` hashes every generation setting (model, benchmark,
-  template, n, temperature, top_p, max tokens, seed, engine, limit), so runs with other settings
+  template, n, temperature, top_p, max tokens, seed, engine, limit, tools), so runs with other settings
   add their own rows beside the old ones; no run deletes rows. Each row keeps the verdict of every
   grader that graded it (`verdicts`, by `name@version`) and, at top level, the latest one.
 - `results/<key>-<grader>.json`: the metrics of one setting under one grader; `results.json` is the
@@ -47,10 +47,13 @@ class EvalSettings:
     seed: int
     engine: str
     limit: Optional[int] = None
+    tools: Optional[str] = None  # the tool the model may call ("python"), or None
 
     def key(self) -> str:
-        """A hash of every generation setting: samples of different settings never mix."""
-        blob = json.dumps(asdict(self), sort_keys=True)
+        """A hash of every generation setting: samples of different settings never mix. (`tools` enters
+        only when set, so the keys of tool-less evaluations are those written before it existed.)"""
+        fields = {k: v for k, v in asdict(self).items() if not (k == "tools" and v is None)}
+        blob = json.dumps(fields, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -299,7 +302,7 @@ def run_eval(model: str, benches: list[str], engine_name: str = "auto", n: Optio
                 s = EvalSettings(model=path, bench=b, template=template, n=n or spec.n,
                                  temperature=spec.temperature if temperature is None else temperature,
                                  top_p=spec.top_p if top_p is None else top_p, max_tokens=max_tokens or spec.max_tokens,
-                                 seed=seed, engine=engine_name, limit=limit)
+                                 seed=seed, engine=engine_name, limit=limit, tools=tools)
                 results[b] = evaluate_benchmark(engine, tok, s, out / b, grading, data_file=data_file, progress=prog,
                                                 tools=tool_spec, rows=data[b])
                 if not console.is_terminal:

@@ -116,7 +116,8 @@ def run(model: str, benches: list[str], out: Path, n: Optional[int], limit: Opti
     if limit:
         cmd += ["--limit", str(limit)]
     env = {**__import__("os").environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    proc = subprocess.run(cmd, env=env)
+    # lm-eval prints its own table on stdout: it goes to stderr, so that stdout holds only our output
+    proc = subprocess.run(cmd, env=env, stdout=sys.stderr)
     if proc.returncode:
         raise StareError(f"lm-eval exited with code {proc.returncode}")
     files = sorted((out / "lm_eval").rglob("results_*.json"))

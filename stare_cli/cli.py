@@ -43,6 +43,8 @@ app.add_typer(recipes_app, name="recipes", rich_help_panel="Recipes and methods"
 app.add_typer(toy_app, name="toy", rich_help_panel="Training")
 data_app = typer.Typer(help="Prepare data for the verl backend.", no_args_is_help=True)
 app.add_typer(data_app, name="data", rich_help_panel="Training")
+grade_app = typer.Typer(help="Graders on saved samples.", no_args_is_help=True)
+app.add_typer(grade_app, name="grade", rich_help_panel="Evaluation")
 
 
 class Backend(str, Enum):
@@ -253,6 +255,42 @@ def _print_eval(rows: dict, title: str, as_json: bool) -> None:
     if len(rows) > 1:
         avg = sum(m[f"avg@{m['n']}"] for m in rows.values()) / len(rows)
         t.add_row("average", "", f"{avg:.1f}", "", "", "", "", "")
+    Console().print(t)
+
+
+@grade_app.command("audit")
+def grade_audit(
+    folder: Annotated[Path, typer.Argument(help="A `stare eval` output folder (or one benchmark's folder).")],
+    grader: Annotated[
+        Optional[list[str]], typer.Option("--grader", help="Graders to compare (repeatable; default: ours, plain "
+                                          "math-verify, the official three-way grader, mathruler).")
+    ] = None,
+    workers: Annotated[Optional[int], typer.Option(min=0, help="Grading processes per grader.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Graders side by side on saved samples: agreement per benchmark, disagreements to a file."""
+    from benchmarks.audit import DEFAULT_GRADERS, audit
+    from benchmarks.grading import check_grader
+
+    names = tuple(grader or DEFAULT_GRADERS)
+    for g in names:
+        check_grader(g)
+    res = audit(folder, names, workers)
+    if as_json:
+        typer.echo(json.dumps(res, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"grader audit: {folder} (disagreements: {res['out']}/disagreements.jsonl)")
+    t.add_column("benchmark")
+    t.add_column("samples", justify="right")
+    for g in res["graders"]:
+        t.add_column(f"acc {g}", justify="right")
+    t.add_column("disagree", justify="right")
+    for b, m in res["benchmarks"].items():
+        t.add_row(b, str(m["samples"]), *[f"{100 * m['accuracy'][g]:.1f}" for g in res["graders"]],
+                  f"{100 * m['disagree']:.1f}%")
     Console().print(t)
 
 

@@ -68,6 +68,8 @@ def test_run_directory_is_complete(cli, tmp_path, quick_toy):
     assert (run / "checkpoints" / "latest" / "state.json").exists()
     assert (run / "samples" / "step-000002.jsonl").exists()
     last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    log = (run / "train.log").read_text().splitlines()
+    assert [x.split()[1] for x in log] == ["1/2", "2/2"] and all("steps/min  ETA" in x for x in log)
     for key in ("reward", "acc", "full_solve", "entropy", "len/mean", "len/truncated", "actor/clip_frac",
                 "actor/ppo_kl", "grad_norm", "lr", "stare/gate", "stare/W", "quad/pos_high/share",
                 "reflection_rate", "time/generate", "time/score", "time/train", "eval/toy:arith/acc"):

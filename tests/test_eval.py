@@ -384,6 +384,24 @@ def test_other_settings_never_delete_samples_and_write_results_beside(cli, tmp_p
     assert len((out / "math500" / "samples.jsonl").read_text().splitlines()) == len(rows)
 
 
+def test_every_generation_setting_enters_the_key_and_tool_less_keys_stay_stable():
+    from dataclasses import replace
+
+    from benchmarks.evaluate import EvalSettings
+
+    base = EvalSettings(model="m", bench="aime24", template="paper", n=4, temperature=1.0, top_p=0.7,
+                        max_tokens=100, seed=0, engine="hf")
+    changed = [replace(base, **{f: v}) for f, v in [("model", "m2"), ("bench", "amc23"), ("template", "plain"),
+               ("n", 8), ("temperature", 0.6), ("top_p", 1.0), ("max_tokens", 50), ("seed", 1),
+               ("engine", "vllm"), ("limit", 3), ("tools", "python")]]
+    assert len({base.key(), *(c.key() for c in changed)}) == 1 + len(changed)
+    # the key of a tool-less setting is the hash of the fields that existed before `tools`
+    import hashlib
+    import json as _json
+    old = {k: v for k, v in base.__dict__.items() if k != "tools"}
+    assert base.key() == hashlib.sha256(_json.dumps(old, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def test_regrade_grades_saved_samples_without_generating(cli, tmp_path, tiny_model):
     data = _many_problems(tmp_path / "p.jsonl", 4)
     out = tmp_path / "ev"
@@ -465,3 +483,41 @@ def test_eval_results_go_to_wandb_offline(cli, tmp_path, tiny_model, monkeypatch
     assert len(runs) == 1 and any(runs[0].rglob("*.wandb"))
     code, _, err = cli(*_eval_args(tiny_model, tmp_path / "ev", limit=2, n=1), "--wandb", "sometimes")
     assert code == 2
+
+
+def test_lm_eval_bridge_runs_for_real_and_json_stays_machine_readable(tmp_path, tiny_model):
+    """lm-eval (installed by the test extras, as `pip install 'stare[lm-eval]'`) runs our task files
+    with our grader; with --json, stdout holds only our JSON (lm-eval's own table goes to stderr)."""
+    code = subprocess.run(
+        [sys.executable, "-m", "stare_cli", "eval", "--harness", "lm-eval", "--bench", "math500",
+         "--model", str(tiny_model), "--data-file", str(FIXTURE_DATA / "math500.jsonl"), "--limit", "2", "-n", "1",
+         "--max-tokens", "8", "--out", str(tmp_path / "lm"), "--template", "plain", "--json"],
+        capture_output=True, text=True, cwd=REPO, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert code.returncode == 0, code.stderr[-3000:]
+    res = json.loads(code.stdout)  # nothing but JSON on stdout
+    assert set(res) == {"stare_math500"} and res["stare_math500"]["sample_len"] == 2
+    assert "avg_at_n,all_samples" in res["stare_math500"]
+    assert list((tmp_path / "lm" / "lm_eval").rglob("samples_stare_math500_*.jsonl"))
+
+
+def test_grade_audit_puts_graders_side_by_side(cli, tmp_path, tiny_model):
+    out = tmp_path / "ev"
+    assert cli(*_eval_args(tiny_model, out, limit=3, n=2))[0] == 0
+    samples = out / "math500" / "samples.jsonl"
+    rows = [json.loads(x) for x in samples.read_text().splitlines()]
+    # two hand-made answers the graders judge differently: 2^{10} for 1024 (math-verify evaluates the
+    # power, mathruler does not) and a plain match every grader accepts
+    rows[0].update(response="so \\boxed{2^{10}}", gold="1024", finished=True)
+    rows[1].update(response="so \\boxed{7}", gold="7", finished=True)
+    samples.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, text, err = cli("grade", "audit", str(out), "--workers", "0", "--json")
+    assert code == 0, err
+    res = json.loads(text)
+    assert res["graders"] == ["math-verify@3", "math-verify-plain@1", "stare-official-3way@1", "mathruler@1"]
+    m = res["benchmarks"]["math500"]
+    assert m["samples"] == len(rows) and 0 < m["disagree"] < 1
+    assert m["pairwise_agreement"]["math-verify@3 vs mathruler@1"] < 1
+    dis = [json.loads(x) for x in (out / "audit" / "disagreements.jsonl").read_text().splitlines()]
+    first = next(d for d in dis if d["gold"] == "1024")
+    assert first["verdicts"]["math-verify@3"]["correct"] and not first["verdicts"]["mathruler@1"]["correct"]
+    assert not any(d["gold"] == "7" for d in dis)

@@ -276,13 +276,16 @@ def resume_recipe(run_dir: Path, overrides: list[str]) -> Recipe:
 
 # ---------------------------------------------------------------------------------------- logger
 class StepLog:
-    """Rich live progress on a terminal; one plain line per step otherwise (stderr)."""
+    """Progress of a training run: a rich bar on a terminal, else one line per step on stderr; the
+    lines (step, key metrics, rate, ETA) always go to the run directory's train.log too."""
 
-    KEYS = ("reward", "entropy", "len/mean", "stare/gate", "time/step")
+    KEYS = ("reward", "acc", "entropy", "len/mean", "stare/gate", "time/step")
 
-    def __init__(self, total: int, start: int):
-        self.total = total
+    def __init__(self, total: int, start: int, log_file: Optional[Path] = None):
+        self.total, self.start = total, start
+        self.t0 = time.time()
         self.tty = sys.stderr.isatty()
+        self.file = open(log_file, "a") if log_file is not None else None
         self.progress = None
         if self.tty:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -292,16 +295,29 @@ class StepLog:
             self.progress.start()
             self.task = self.progress.add_task("", total=total, completed=start)
 
-    def log(self, step: int, m: dict) -> None:
+    def line(self, step: int, m: dict) -> str:
         desc = "  ".join(f"{k} {m[k]:.3g}" for k in self.KEYS if k in m)
+        elapsed = time.time() - self.t0
+        rate = (step - self.start) / elapsed if elapsed > 0 else 0.0
+        eta = (self.total - step) / rate if rate > 0 else float("inf")
+        eta_txt = f"{int(eta // 60)}m{int(eta % 60):02d}s" if eta != float("inf") else "?"
+        return f"step {step}/{self.total}  {desc}  {60 * rate:.2f} steps/min  ETA {eta_txt}"
+
+    def log(self, step: int, m: dict) -> None:
+        text = self.line(step, m)
+        if self.file is not None:
+            self.file.write(text + "\n")
+            self.file.flush()
         if self.progress:
-            self.progress.update(self.task, completed=step, description=desc)
+            self.progress.update(self.task, completed=step, description="  ".join(text.split("  ")[1:]))
         else:
-            print(f"step {step}/{self.total}  {desc}", file=sys.stderr, flush=True)
+            print(text, file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.progress:
             self.progress.stop()
+        if self.file is not None:
+            self.file.close()
 
 
 # ------------------------------------------------------------------------------------- contract
@@ -534,7 +550,7 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume_dir: Optional[Path]
     tools = _tool_spec(cfg)
     eval_grader = Grader(workers=0)  # evaluation: `stare eval`'s grader, with the fallbacks users expect
     wb = _wandb_init(cfg, run_dir)
-    log = StepLog(O.total_steps, step)
+    log = StepLog(O.total_steps, step, run_dir / "train.log")
 
     def autocast():
         if O.precision == "fp32":
