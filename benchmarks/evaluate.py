@@ -264,7 +264,7 @@ def run_eval(model: str, benches: list[str], engine_name: str = "auto", n: Optio
              seed: int = 0, data_file: Optional[str] = None, base_url: Optional[str] = None, workers: Optional[int] = None,
              device: str = "auto", batch_size: int = 64, dtype: str = "auto", tools: Optional[str] = None,
              vllm_kwargs: Optional[dict] = None, grader: str = "math-verify",
-             wandb_mode: Optional[str] = None) -> dict[str, dict]:
+             wandb_mode: Optional[str] = None, unsafe_no_sandbox: bool = False) -> dict[str, dict]:
     """Evaluate `model` on `benches`; returns {bench: results}. Progress on stderr (a bar on a
     terminal, lines with rate and ETA otherwise)."""
     from rich.console import Console
@@ -280,10 +280,14 @@ def run_eval(model: str, benches: list[str], engine_name: str = "auto", n: Optio
     tool_spec = None
     if tools:
         from benchmarks.tools import ToolSpec
+        from stare_cli.sandbox import Limits, require_isolation
 
         if tools != "python":
             raise StareError(f"unknown tool '{tools}'", hint="the available tool is 'python'")
-        tool_spec = ToolSpec()
+        tool_spec = ToolSpec(limits=Limits(unsafe_no_isolation=unsafe_no_sandbox))
+        require_isolation(tool_spec.limits)  # fail closed before the model loads
+    elif unsafe_no_sandbox:
+        raise StareError("--unsafe-no-sandbox applies to --tools python", hint="drop it, or add --tools python")
     path, run_dir = resolve_model(model)
     if out is None:
         out = (run_dir / "eval" / Path(path).name) if run_dir else Path("evals") / path.strip("/").replace("/", "__")

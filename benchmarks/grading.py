@@ -310,6 +310,14 @@ def _boxed_key(response: str, boxed_only: bool) -> tuple[Optional[str], str]:
     return (None, "none") if b == "None" else (b, "boxed")
 
 
+def _ignore_sigint() -> None:
+    """Pool workers ignore Ctrl-C (sent to the whole process group): the trainer finishes its step,
+    grading included, before it stops; the pool is closed by the parent (terminate)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 @dataclass(frozen=True)
 class GraderSpec:
     """A grader: `key` (in the calling process, cheap) gives what the verdict depends on besides
@@ -383,7 +391,7 @@ class Grader:
     def _get_pool(self):
         if self._pool is None:
             method = self.start_method or ("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-            self._pool = mp.get_context(method).Pool(self.workers, maxtasksperchild=2000)
+            self._pool = mp.get_context(method).Pool(self.workers, maxtasksperchild=2000, initializer=_ignore_sigint)
         return self._pool
 
     def close(self) -> None:

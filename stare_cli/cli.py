@@ -1,7 +1,7 @@
 """The `stare` command line: thin wrappers over the library. Data on stdout, errors on stderr.
 
 Exit codes: 0 ok; 1 domain error (one line on stderr, STARE_DEBUG=1 for the traceback);
-2 usage error; 130 interrupted.
+2 usage error; 130 interrupted (SIGINT), 143 terminated (SIGTERM).
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import traceback
 from enum import Enum
 from pathlib import Path
@@ -27,7 +28,7 @@ _ABORT = (click.exceptions.Abort, typer.Abort, KeyboardInterrupt)
 _CLICK = (click.exceptions.ClickException, _tce.ClickException)
 
 from stare_cli import __version__
-from stare_cli.errors import NotImplementedYet, StareError
+from stare_cli.errors import Interrupted, StareError, UsageError
 
 app = typer.Typer(
     name="stare",
@@ -98,8 +99,13 @@ def train(
     backend: Annotated[Optional[Backend], typer.Option(help="Override the recipe's backend.")] = None,
     out: Annotated[Path, typer.Option(help="Parent directory of run directories.")] = Path("runs"),
     resume: Annotated[
-        Optional[Path], typer.Option(help="Continue this run directory from its latest checkpoint.")
+        Optional[Path], typer.Option(help="Continue this run directory from its newest intact checkpoint; "
+                                          "-o overrides are applied and recorded, or refused by name.")
     ] = None,
+    restart: Annotated[
+        bool, typer.Option("--restart", help="With --resume: start the run again from step 1 (earlier outputs "
+                                             "moved to restarts/), e.g. when it has no usable checkpoint.")
+    ] = False,
     threads: Annotated[Optional[int], typer.Option(min=1, help="torch threads (embedded backend).")] = None,
     device: Annotated[
         Optional[Device],
@@ -126,19 +132,27 @@ def train(
         overrides.append(f"backend.embedded.threads={threads}")
     if shared_dir is not None:
         overrides.append(f"backend.verl.shared_dir={shared_dir.resolve()}")
-    if resume is not None:
-        from stare_cli.backends.embedded import resume_recipe
+    from stare_cli.resume import plan_resume
 
+    plan = None
+    if restart and resume is None:
+        raise UsageError("--restart applies to --resume RUN_DIR", hint="stare train --resume RUN_DIR --restart")
+    if resume is not None:
         if recipe or method:
-            raise StareError("--resume continues a run with its own recipe and method", hint="drop --recipe/--method")
-        cfg = resume_recipe(resume, overrides)
+            raise UsageError("--resume continues a run with its own recipe and method", hint="drop --recipe/--method")
+        plan = plan_resume(resume, overrides, restart)
+        cfg = plan.recipe
     elif recipe is None:
-        raise StareError("stare train needs --recipe (or --resume RUN_DIR)", hint="`stare recipes list` shows recipes")
+        raise UsageError("stare train needs --recipe (or --resume RUN_DIR)", hint="`stare recipes list` shows recipes")
     else:
         cfg = load_recipe(recipe, method, overrides)
     if device is not None:  # the key depends on the backend the recipe and overrides chose
         overrides.append(f"backend.{cfg.backend.name}.device={device.value}")
-        cfg = resume_recipe(resume, overrides) if resume is not None else load_recipe(recipe, method, overrides)
+        if resume is not None:
+            plan = plan_resume(resume, overrides, restart)
+            cfg = plan.recipe
+        else:
+            cfg = load_recipe(recipe, method, overrides)
     from stare_cli.backends import check as check_backend
 
     check_backend(cfg)
@@ -146,15 +160,15 @@ def train(
         from stare_cli.backends import verl_backend
 
         run_dir = verl_backend.run(cfg, out, dry_run=dry_run, emit_script=emit_script, data_dir=data_dir,
-                                   resume_dir=resume)
+                                   resume=plan)
         if run_dir is not None:
             typer.echo(str(run_dir))
         return
     if dry_run or emit_script:
-        raise StareError("--dry-run and --emit-script apply to the verl backend", hint="add --backend verl")
+        raise UsageError("--dry-run and --emit-script apply to the verl backend", hint="add --backend verl")
     from stare_cli.backends.embedded import train as embedded_train
 
-    run_dir = embedded_train(cfg, out_root=out, resume_dir=resume)
+    run_dir = embedded_train(cfg, out_root=out, resume=plan)
     typer.echo(str(run_dir))
 
 
@@ -196,6 +210,9 @@ def eval_cmd(
                                         "stare-official-3way or mathruler; saved samples are re-graded, not regenerated.")
                       ] = "math-verify",
     tools: Annotated[Optional[str], typer.Option(help="Let the model call a tool: 'python' (sandboxed).")] = None,
+    unsafe_no_sandbox: Annotated[bool, typer.Option(
+        "--unsafe-no-sandbox", help="With --tools: run model-written code WITHOUT isolation (resource limits only). "
+                                    "Only for code you trust, where user namespaces are unavailable.")] = False,
     tensor_parallel: Annotated[int, typer.Option(min=1, help="vLLM tensor parallel size.")] = 1,
     gpu_memory_utilization: Annotated[float, typer.Option(min=0.05, max=1.0, help="vLLM share of GPU memory.")] = 0.85,
     regrade: Annotated[
@@ -233,6 +250,7 @@ def eval_cmd(
     check_grader(grader)  # before any model loads
     results = run_eval(model, bench, engine.value, n, limit, out, template.value, temperature, top_p, max_tokens,
                        seed, data_file, base_url, workers, tools=tools, grader=grader, wandb_mode=wandb,
+                       unsafe_no_sandbox=unsafe_no_sandbox,
                        vllm_kwargs={"tensor_parallel_size": tensor_parallel, "gpu_memory_utilization": gpu_memory_utilization})
     _print_eval({b: r["metrics"] for b, r in results.items()}, f"stare eval: {model} ({grader})", as_json)
 
@@ -321,35 +339,17 @@ def compare(
     from stare_cli import compare as C
 
     if metric != "avg" and not re.fullmatch(r"(pass|maj)@\d+", metric):
-        raise StareError(f"unknown metric '{metric}'", hint="avg, pass@k or maj@k (k a number)")
+        raise UsageError(f"unknown metric '{metric}'", hint="avg, pass@k or maj@k (k a number)")
     results = C.load_inputs(runs)
     cols = C.columns(results, with_paper=paper is not None)
     rows, info = C.build_rows(results, metric, cols)
     if paper:
         rows = rows + C.paper_rows(paper, cols)
         if metric != "avg":
-            raise StareError("--paper rows are avg@N only", hint="use --metric avg with --paper")
+            raise UsageError("--paper rows are avg@N only", hint="use --metric avg with --paper")
     deltas = C.add_delta(rows, baseline)
     if plot:
-        from stare_cli.plots import plot_dynamics
-
-        runs_with_rows: dict[str, list] = {}
-        for r in results:
-            if r.metrics_rows:
-                runs_with_rows.setdefault(C._title(r.label), []).append(r.metrics_rows)
-        made = []
-        if runs_with_rows:
-            h = None
-            for r in results:
-                cfg_file = Path(r.source) / "config.yaml"
-                if cfg_file.exists():
-                    import yaml
-
-                    h = yaml.safe_load(cfg_file.read_text())["method"]["stare"]["h_tgt"]
-                    break
-            made += plot_dynamics(runs_with_rows, plot / "dynamics", h_tgt=h)
-        made += C.passk_plot(results, plot)
-        for p in made:
+        for p in C.write_plots(results, plot):
             print(f"wrote {p}", file=sys.stderr)
     if fmt == Format.table and out is None:
         C.print_rich(rows, info, deltas, cols, ci)
@@ -498,25 +498,70 @@ def toy_init(
 
 
 @app.command(rich_help_panel="Training")
+def sweep(
+    recipe: Annotated[str, typer.Option("--recipe", "-r", help="Recipe name or YAML path (one for every cell).")],
+    method: Annotated[list[str], typer.Option("--method", "-m", help="A method of the grid; repeatable.")],
+    seed: Annotated[list[int], typer.Option("--seed", "-s", min=0, help="A seed of the grid; repeatable.")],
+    override: OverrideOpt = None,
+    backend: Annotated[Optional[Backend], typer.Option(help="Override the recipe's backend.")] = None,
+    parallel: Annotated[Optional[int], typer.Option(min=1, help="Cells at once (embedded; default: cores / threads).")] = None,
+    threads: Annotated[int, typer.Option(min=1, help="torch threads per cell (embedded).")] = 1,
+    eval_bench: Annotated[Optional[list[str]], typer.Option("--eval", help="Evaluate every final checkpoint on this "
+                                                            "benchmark (or 'paper'); repeatable.")] = None,
+    eval_n: Annotated[Optional[int], typer.Option(min=1, help="Samples per problem for --eval (default: the protocol's).")] = None,
+    eval_limit: Annotated[Optional[int], typer.Option(min=1, help="First K problems only, for --eval.")] = None,
+    paper: Annotated[Optional[str], typer.Option(help="Put the paper's Table 2 rows of this scenario in the table.")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Sweep directory (default: sweeps/<recipe>-<hash of the settings>).")] = None,
+    emit_script: Annotated[Optional[Path], typer.Option(help="verl: write one job script per cell here instead.")] = None,
+    shared_dir: Annotated[Optional[Path], typer.Option(help="verl --emit-script: a directory every node sees.")] = None,
+) -> None:
+    """A methods x seeds grid under one recipe: resumable (run it again), then the table and plots."""
+    from stare_cli.sweep import SweepSpec, run_sweep
+
+    spec = SweepSpec(recipe=recipe, methods=tuple(dict.fromkeys(method)), seeds=tuple(dict.fromkeys(seed)),
+                     overrides=tuple(override or []), backend=backend.value if backend else None,
+                     evals=tuple(eval_bench or []), eval_n=eval_n, eval_limit=eval_limit)
+    res = run_sweep(spec, out, parallel, threads, emit_script, shared_dir, paper)
+    if res.table:
+        typer.echo(res.table, nl=False)
+    for p in res.plots:
+        print(f"wrote {p}", file=sys.stderr)
+    print(f"sweep: {res.out}", file=sys.stderr)
+    if res.failed:
+        raise StareError(f"{len(res.failed)} of {len(res.cells)} cells failed: "
+                         + "; ".join(f"{c.name}: {c.error}" for c in res.failed),
+                         hint=f"logs in {res.out / 'logs'}; the same command retries them")
+
+
+@app.command(rich_help_panel="Training")
 def demo(
-    out: Annotated[Path, typer.Option(help="Parent directory of the demo's runs.")] = Path("runs/demo"),
+    out: Annotated[Path, typer.Option(help="The demo's sweep directory.")] = Path("runs/demo"),
     steps: Annotated[Optional[int], typer.Option(min=1, help="Training steps per method.")] = None,
     seed: Annotated[Optional[list[int]], typer.Option(min=0, help="Seed shared by both methods; repeat for several.")] = None,
 ) -> None:
-    """The main job on CPU: GRPO-ds vs STARE-O1 on the toy, then a table and the dynamics plot."""
-    from stare_cli.demo import run_demo, seeds_table
+    """The main job on CPU: GRPO-ds vs STARE-O1 on the toy (a preset of `stare sweep`), then the table and plot."""
+    from stare_cli.demo import run_demo
 
-    seeds = seed or [1]
-    results = [run_demo(out=out / f"seed{s}" if len(seeds) > 1 else out, steps=steps, seed=s) for s in seeds]
-    if len(seeds) > 1:
-        table = seeds_table(results)
-        (out / "seeds.md").write_text(table)
-        typer.echo(table)
+    run_demo(out=out, steps=steps, seeds=seed or [1])
 
 
 # ------------------------------------------------------------------------------------------ main
 def main(argv: Optional[list[str]] = None) -> int:
-    """Run the CLI; return the exit code (0, 1, 2 or 130)."""
+    """Run the CLI; return the exit code (0 ok, 1 domain error, 2 usage, 130 SIGINT, 143 SIGTERM)."""
+    import signal
+
+    from stare_cli.signals import terminate_as_interrupt
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    old_term = signal.signal(signal.SIGTERM, terminate_as_interrupt) if main_thread else None  # unwind, exit 143
+    try:
+        return _run(argv)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, old_term)
+
+
+def _run(argv: Optional[list[str]]) -> int:
     cmd = typer.main.get_command(app)
     try:
         rv = cmd.main(args=argv, prog_name="stare", standalone_mode=False)
@@ -526,6 +571,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except _USAGE as e:
         e.show()
         return 2
+    except Interrupted as e:
+        print(str(e), file=sys.stderr)
+        return e.exit_code
     except _ABORT:
         print("interrupted", file=sys.stderr)
         return 130
@@ -533,7 +581,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if os.environ.get("STARE_DEBUG"):
             traceback.print_exc()
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(e, UsageError) else 1
     except _CLICK as e:
         e.show()
         return 1

@@ -138,7 +138,7 @@ def load_inputs(paths: list[Path]) -> list[Result]:
         if (p / "config.yaml").exists():  # a training run
             cfg = yaml.safe_load((p / "config.yaml").read_text())
             r = Result(label=cfg["method"]["name"], seed=cfg["optim"]["seed"], source=str(p), config=_variant(cfg))
-            r.metrics_rows = read_jsonl(p / "metrics.jsonl")
+            r.metrics_rows = read_jsonl(p / "metrics.jsonl", strict=True)
             results = _collect_results(p / "eval") if (p / "eval").exists() else {}
             if not results and cfg.get("backend", {}).get("name") == "verl":
                 results = _verl_results(p, cfg, r.metrics_rows)
@@ -398,6 +398,26 @@ def print_rich(rows: list[Row], info: dict, deltas, benches=PAPER_ORDER, with_ci
     for ln in md:
         if ln.startswith("†") or ln.startswith("*"):
             c.print(ln)
+
+
+def write_plots(results: list[Result], plot_dir: Path, h_tgt: Optional[float] = None) -> list[Path]:
+    """The training-dynamics plot (runs with metrics, one label per method/variant, seeds together;
+    H_tgt from the first run's config when not given) and the pass@k plot, under `plot_dir`."""
+    from stare_cli.plots import plot_dynamics
+
+    runs_with_rows: dict[str, list] = {}
+    for r in results:
+        if r.metrics_rows:
+            runs_with_rows.setdefault(_title(r.label), []).append(r.metrics_rows)
+    made: list[Path] = []
+    if runs_with_rows:
+        if h_tgt is None:
+            cfgs = [Path(r.source) / "config.yaml" for r in results if (Path(r.source) / "config.yaml").exists()]
+            if cfgs:
+                h_tgt = yaml.safe_load(cfgs[0].read_text())["method"]["stare"]["h_tgt"]
+        made += plot_dynamics(runs_with_rows, plot_dir / "dynamics", h_tgt=h_tgt)
+    made += passk_plot(results, plot_dir)
+    return made
 
 
 def legend_labels(results: list[Result]) -> list[str]:

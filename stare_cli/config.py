@@ -9,11 +9,12 @@ from __future__ import annotations
 from enum import Enum
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
 
 
 class _Strict(BaseModel):
-    # Unknown keys are errors (reported with file and closest key by recipes.py).
+    # Unknown keys are errors (reported with file and closest key by recipes.py). Scalars are strict:
+    # `total_steps: true` or `lr: "1e-6"` is an error, not 1 or a parsed string (floats accept ints).
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
@@ -42,7 +43,7 @@ class ModelConfig(_Strict):
     chat_template: Literal["auto", "none"] = Field(
         "auto", description="'auto' uses the tokenizer's chat template when it has one; 'none' never."
     )
-    trust_remote_code: bool = Field(False, description="Allow model code from the hub. Off for safety.")
+    trust_remote_code: StrictBool = Field(False, description="Allow model code from the hub. Off for safety.")
 
 
 class DataConfig(_Strict):
@@ -56,28 +57,36 @@ class DataConfig(_Strict):
     prompt_field: str = Field("problem", description="Field holding the problem text.")
     answer_field: str = Field("answer", description="Field holding the ground-truth answer.")
     template: PromptTemplate = Field(PromptTemplate.paper, description="How a problem becomes a prompt.")
-    max_samples: Optional[int] = Field(None, ge=1, description="Use only the first N rows (None: all).")
-    shuffle: bool = Field(True, description="Shuffle prompts each epoch (seeded).")
+    max_samples: Optional[StrictInt] = Field(None, ge=1, description="Use only the first N rows (None: all).")
+    shuffle: StrictBool = Field(True, description="Shuffle prompts each epoch (seeded).")
 
 
 class ToolsConfig(_Strict):
-    enable: bool = Field(False, description="Multi-turn rollouts with a Python code-interpreter tool.")
+    enable: StrictBool = Field(False, description="Multi-turn rollouts with a Python code-interpreter tool.")
     format: Literal["markdown", "xml"] = Field("markdown", description="```python ...``` or <code>...</code> blocks.")
-    max_turns: int = Field(4, ge=1, le=64, description="Tool calls per response at most.")
-    cpu_s: int = Field(5, ge=1, description="CPU seconds per tool call.")
-    wall_s: float = Field(10.0, gt=0, description="Wall-clock seconds per tool call.")
-    memory_mb: int = Field(512, ge=32, description="Address-space limit per tool call.")
-    output_bytes: int = Field(1024, ge=64, description="Observation size limit (truncated beyond).")
+    max_turns: StrictInt = Field(4, ge=1, le=64, description="Tool calls per response at most.")
+    cpu_s: StrictInt = Field(5, ge=1, description="CPU seconds per tool call.")
+    wall_s: StrictFloat = Field(10.0, gt=0, description="Wall-clock seconds per tool call.")
+    memory_mb: StrictInt = Field(512, ge=32, description="Address-space limit per tool call.")
+    output_bytes: StrictInt = Field(1024, ge=64, description="Observation size limit (truncated beyond).")
+    file_mb: StrictInt = Field(16, ge=1, le=1024, description="Largest file a call may write, and the size of each of "
+                               "its private tmpfs (/tmp, HOME, /dev/shm).")
+    nproc: StrictInt = Field(32, ge=1, le=4096, description="Processes and threads per call (counted in its namespace).")
+    python: Optional[str] = Field(None, description="Interpreter the code runs with (its installation is mounted "
+                                  "read-only); None: the one running stare, which has numpy and sympy.")
+    unsafe_no_isolation: StrictBool = Field(False, description="Run tool code WITHOUT the namespace sandbox (resource "
+                                            "limits only; warned on every start). Only for code you trust, on machines "
+                                            "without user namespaces.")
 
 
 class RolloutConfig(_Strict):
-    n: int = Field(8, ge=1, description="Responses sampled per prompt (the GRPO group size).")
-    temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature.")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
-    top_k: int = Field(-1, ge=-1, description="Top-k sampling; -1 disables it.")
-    max_prompt_tokens: int = Field(1024, ge=1, description="Prompts longer than this are left-truncated.")
-    max_response_tokens: int = Field(3072, ge=1, description="Generation stops here (then 'truncated').")
-    gen_batch_size: int = Field(
+    n: StrictInt = Field(8, ge=1, description="Responses sampled per prompt (the GRPO group size).")
+    temperature: StrictFloat = Field(1.0, gt=0, le=10, description="Sampling temperature.")
+    top_p: StrictFloat = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    top_k: StrictInt = Field(-1, ge=-1, description="Top-k sampling; -1 disables it.")
+    max_prompt_tokens: StrictInt = Field(1024, ge=1, description="Prompts longer than this are left-truncated.")
+    max_response_tokens: StrictInt = Field(3072, ge=1, description="Generation stops here (then 'truncated').")
+    gen_batch_size: StrictInt = Field(
         64, ge=1, description="Prompts drawn per generation batch with dynamic sampling (several may be drawn); "
         "without it a step draws optim.train_batch_size prompts."
     )
@@ -87,7 +96,7 @@ class RolloutConfig(_Strict):
         "official trainer); 'per_group' draws one fresh prompt per dropped group until the batch is full, with no cap "
         "(verl 0.9's V1 replay buffer; gen_batch_size, max_gen_batches and on_short_batch unused)."
     )
-    max_gen_batches: int = Field(
+    max_gen_batches: StrictInt = Field(
         10, ge=1, description="At most this many generation batches per step when dynamic sampling."
     )
     on_short_batch: Literal["error", "train"] = Field(
@@ -101,29 +110,29 @@ class RolloutConfig(_Strict):
     engine: Literal["auto", "hf", "vllm"] = Field(
         "auto", description="Rollout engine: vLLM when installed and a GPU is present, else HF generate."
     )
-    vllm_gpu_memory_utilization: float = Field(
+    vllm_gpu_memory_utilization: StrictFloat = Field(
         0.3, gt=0, le=1, description="Embedded trainer: GPU memory share of the colocated vLLM rollout engine."
     )
     tools: ToolsConfig = Field(default_factory=ToolsConfig)
 
 
 class OptimConfig(_Strict):
-    lr: float = Field(1e-6, gt=0, le=1, description="Peak learning rate (AdamW).")
+    lr: StrictFloat = Field(1e-6, gt=0, le=1, description="Peak learning rate (AdamW).")
     schedule: Literal["constant", "cosine", "linear"] = Field("constant", description="LR schedule after warmup.")
-    warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
-    weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay.")
-    grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
-    train_batch_size: int = Field(64, ge=1, description="Prompts per training step (after dynamic sampling).")
-    mini_batch_size: int = Field(64, ge=1, description="Prompts per optimizer update (PPO mini-batch).")
-    micro_batch_size: int = Field(
+    warmup_steps: StrictInt = Field(0, ge=0, description="Linear warmup steps.")
+    weight_decay: StrictFloat = Field(0.01, ge=0, description="AdamW weight decay.")
+    grad_clip: StrictFloat = Field(1.0, gt=0, description="Max global gradient norm.")
+    train_batch_size: StrictInt = Field(64, ge=1, description="Prompts per training step (after dynamic sampling).")
+    mini_batch_size: StrictInt = Field(64, ge=1, description="Prompts per optimizer update (PPO mini-batch).")
+    micro_batch_size: StrictInt = Field(
         8, ge=1, description="Responses per forward/backward (accumulation) when micro_batch_tokens is not set.")
-    micro_batch_tokens: Optional[int] = Field(
+    micro_batch_tokens: Optional[StrictInt] = Field(
         None, ge=1, description="Token budget of one forward/backward (prompt + response tokens), as verl's dynamic "
         "batch size (official runs: 8192): as few micro-batches as fit, rows balanced by workload. STARE's official "
         "scope selects per such micro-batch. None: micro_batch_size responses per micro-batch.")
-    ppo_epochs: int = Field(1, ge=1, description="Passes over each training batch.")
-    total_steps: int = Field(500, ge=1, description="Training steps.")
-    seed: int = Field(1, ge=0, description="Seed for data order, sampling and init.")
+    ppo_epochs: StrictInt = Field(1, ge=1, description="Passes over each training batch.")
+    total_steps: StrictInt = Field(500, ge=1, description="Training steps.")
+    seed: StrictInt = Field(1, ge=0, description="Seed for data order, sampling and init.")
     precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Autocast precision for training.")
 
     @model_validator(mode="after")
@@ -142,14 +151,14 @@ class OptimConfig(_Strict):
 
 
 class StareConfig(_Strict):
-    P: float = Field(0.1, ge=0, le=1, description="Fraction of T+ (and T-) selected by surprisal.")
-    W: float = Field(1.1, gt=0, description="Weight on L+ (high-surprisal positive-advantage tokens).")
-    M: float = Field(0.9, gt=0, description="Weight on L- (variant C2 only).")
-    h_tgt: float = Field(0.3, ge=0, description="Entropy target: the gate is on while batch entropy < h_tgt.")
-    adaptive: bool = Field(False, description="Adapt W and M by alpha * sgn(h_tgt - H) each step.")
-    alpha: float = Field(0.01, ge=0, description="Adaptive step size.")
-    w_max: float = Field(1.5, ge=1, description="Upper bound for adaptive W.")
-    m_min: float = Field(0.5, gt=0, le=1, description="Lower bound for adaptive M.")
+    P: StrictFloat = Field(0.1, ge=0, le=1, description="Fraction of T+ (and T-) selected by surprisal.")
+    W: StrictFloat = Field(1.1, gt=0, description="Weight on L+ (high-surprisal positive-advantage tokens).")
+    M: StrictFloat = Field(0.9, gt=0, description="Weight on L- (variant C2 only).")
+    h_tgt: StrictFloat = Field(0.3, ge=0, description="Entropy target: the gate is on while batch entropy < h_tgt.")
+    adaptive: StrictBool = Field(False, description="Adapt W and M by alpha * sgn(h_tgt - H) each step.")
+    alpha: StrictFloat = Field(0.01, ge=0, description="Adaptive step size.")
+    w_max: StrictFloat = Field(1.5, ge=1, description="Upper bound for adaptive W.")
+    m_min: StrictFloat = Field(0.5, gt=0, le=1, description="Lower bound for adaptive M.")
     scope: Literal["official", "batch"] = Field(
         "official",
         description="'official': select L+/L- inside each loss call (one micro-batch, see optim.micro_batch_tokens) on "
@@ -167,53 +176,53 @@ class StareConfig(_Strict):
 
 
 class OverlongConfig(_Strict):
-    enable: bool = Field(False, description="DAPO overlong reward shaping.")
-    buffer: int = Field(512, ge=1, description="L_buf: the penalty ramps over the last buffer tokens.")
-    factor: float = Field(1.0, ge=0, description="Penalty at the maximum length.")
+    enable: StrictBool = Field(False, description="DAPO overlong reward shaping.")
+    buffer: StrictInt = Field(512, ge=1, description="L_buf: the penalty ramps over the last buffer tokens.")
+    factor: StrictFloat = Field(1.0, ge=0, description="Penalty at the maximum length.")
 
 
 class ClipCovConfig(_Strict):
-    ratio: float = Field(0.0002, gt=0, le=1, description="Share of tokens whose gradient is detached (verl default).")
-    cov_lb: float = Field(1.0, description="Lower covariance bound (verl default).")
-    cov_ub: float = Field(5.0, description="Upper covariance bound (verl default).")
+    ratio: StrictFloat = Field(0.0002, gt=0, le=1, description="Share of tokens whose gradient is detached (verl default).")
+    cov_lb: StrictFloat = Field(1.0, description="Lower covariance bound (verl default).")
+    cov_ub: StrictFloat = Field(5.0, description="Upper covariance bound (verl default).")
 
 
 class KLCovConfig(_Strict):
-    ratio: float = Field(0.002, gt=0, le=1, description="Share of tokens with the KL penalty (published 7B value).")
-    coef: float = Field(1.0, ge=0, description="KL penalty coefficient (published 7B value).")
+    ratio: StrictFloat = Field(0.002, gt=0, le=1, description="Share of tokens with the KL penalty (published 7B value).")
+    coef: StrictFloat = Field(1.0, ge=0, description="KL penalty coefficient (published 7B value).")
 
 
 class GSPOConfig(_Strict):
-    clip_low: float = Field(3e-4, gt=0, description="Sequence-ratio clip below 1 (GSPO paper).")
-    clip_high: float = Field(4e-4, gt=0, description="Sequence-ratio clip above 1 (GSPO paper).")
+    clip_low: StrictFloat = Field(3e-4, gt=0, description="Sequence-ratio clip below 1 (GSPO paper).")
+    clip_high: StrictFloat = Field(4e-4, gt=0, description="Sequence-ratio clip above 1 (GSPO paper).")
 
 
 class EntroAdvConfig(_Strict):
-    alpha: float = Field(0.4, ge=0, description="Entropy bonus scale (arXiv 2506.14758).")
-    kappa: float = Field(2.0, gt=0, description="The bonus is at most |A| / kappa.")
+    alpha: StrictFloat = Field(0.4, ge=0, description="Entropy bonus scale (arXiv 2506.14758).")
+    kappa: StrictFloat = Field(2.0, gt=0, description="The bonus is at most |A| / kappa.")
 
 
 class MethodConfig(_Strict):
     name: str = Field("grpo-ds", min_length=1, description="Registered method; see `stare methods` (checked by the "
                       "method layer, which owns the registry).")
     adv_estimator: Literal["grpo", "drgrpo"] = Field("grpo", description="GRPO (std-normalised) or Dr.GRPO (no std).")
-    adv_eps: float = Field(1e-6, gt=0, description="eps in (r - mean) / (std + eps).")
-    clip_low: float = Field(0.2, gt=0, lt=1, description="PPO clip below 1 (epsilon_low).")
-    clip_high: float = Field(0.28, gt=0, description="PPO clip above 1 (epsilon_high, clip-higher).")
-    dual_clip: Optional[float] = Field(10.0, gt=1, description="Dual-clip c for negative advantages; None: off.")
+    adv_eps: StrictFloat = Field(1e-6, gt=0, description="eps in (r - mean) / (std + eps).")
+    clip_low: StrictFloat = Field(0.2, gt=0, lt=1, description="PPO clip below 1 (epsilon_low).")
+    clip_high: StrictFloat = Field(0.28, gt=0, description="PPO clip above 1 (epsilon_high, clip-higher).")
+    dual_clip: Optional[StrictFloat] = Field(10.0, gt=1, description="Dual-clip c for negative advantages; None: off.")
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
         "token-mean", description="How token losses become one number."
     )
-    dynamic_sampling: bool = Field(True, description="Drop groups whose rewards are all equal (DAPO).")
-    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient (entropy regularisation).")
+    dynamic_sampling: StrictBool = Field(True, description="Drop groups whose rewards are all equal (DAPO).")
+    entropy_coef: StrictFloat = Field(0.0, ge=0, description="Entropy bonus coefficient (entropy regularisation).")
     overlong: OverlongConfig = Field(default_factory=OverlongConfig)
     stare: StareConfig = Field(default_factory=StareConfig)
     clip_cov: ClipCovConfig = Field(default_factory=ClipCovConfig)
     kl_cov: KLCovConfig = Field(default_factory=KLCovConfig)
     gspo: GSPOConfig = Field(default_factory=GSPOConfig)
     entro_adv: EntroAdvConfig = Field(default_factory=EntroAdvConfig)
-    top_entropy_frac: float = Field(0.2, gt=0, le=1, description="80/20: share of highest-entropy tokens trained.")
-    w_reinforce_lambda: float = Field(0.1, ge=0, description="W-REINFORCE weight of positive samples.")
+    top_entropy_frac: StrictFloat = Field(0.2, gt=0, le=1, description="80/20: share of highest-entropy tokens trained.")
+    w_reinforce_lambda: StrictFloat = Field(0.1, ge=0, description="W-REINFORCE weight of positive samples.")
 
 
 class RewardConfig(_Strict):
@@ -222,35 +231,35 @@ class RewardConfig(_Strict):
         "'stare-official' (the official STARE accuracy as its reward loop ran it: mathruler on the official answer "
         "extraction); 'stare-official-3way' (the official accuracy as written: math-verify twice or mathruler). "
         "Dynamic sampling filters on this accuracy.")
-    format_penalty: bool = Field(
+    format_penalty: StrictBool = Field(
         False, description="Reward -1 when the official format check fails (the official code's `score` field; its "
         "reward managers train on the accuracy instead, so the paper recipes leave this off).")
-    timeout_s: int = Field(5, ge=1, le=60, description="Time limit of each math-verify parse/verify call, in seconds.")
+    timeout_s: StrictInt = Field(5, ge=1, le=60, description="Time limit of each math-verify parse/verify call, in seconds.")
 
 
 class EvalConfig(_Strict):
     benchmarks: list[str] = Field(default_factory=list, description="Benchmarks evaluated during training.")
-    n: Optional[int] = Field(None, ge=1, description="Samples per problem (None: each benchmark's paper protocol).")
-    temperature: Optional[float] = Field(None, gt=0, description="Sampling temperature (None: each benchmark's protocol; paper 1.0).")
-    top_p: Optional[float] = Field(None, gt=0, le=1, description="Nucleus mass (None: each benchmark's protocol; paper 0.7).")
-    max_tokens: Optional[int] = Field(None, ge=1, description="Max new tokens (None: rollout.max_response_tokens).")
-    every: int = Field(0, ge=0, description="Evaluate every k steps (0: only at the end).")
-    limit: Optional[int] = Field(None, ge=1, description="Evaluate only the first K problems of each benchmark.")
+    n: Optional[StrictInt] = Field(None, ge=1, description="Samples per problem (None: each benchmark's paper protocol).")
+    temperature: Optional[StrictFloat] = Field(None, gt=0, description="Sampling temperature (None: each benchmark's protocol; paper 1.0).")
+    top_p: Optional[StrictFloat] = Field(None, gt=0, le=1, description="Nucleus mass (None: each benchmark's protocol; paper 0.7).")
+    max_tokens: Optional[StrictInt] = Field(None, ge=1, description="Max new tokens (None: rollout.max_response_tokens).")
+    every: StrictInt = Field(0, ge=0, description="Evaluate every k steps (0: only at the end).")
+    limit: Optional[StrictInt] = Field(None, ge=1, description="Evaluate only the first K problems of each benchmark.")
 
 
 class EmbeddedBackend(_Strict):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when available.")
-    threads: int = Field(1, ge=1, description="torch threads; one is steadiest on a busy 2-core machine.")
-    length_buckets: bool = Field(
+    threads: StrictInt = Field(1, ge=1, description="torch threads; one is steadiest on a busy 2-core machine.")
+    length_buckets: StrictBool = Field(
         True, description="Run each training forward in length-sorted buckets, each padded only to its own "
         "longest row (the same numbers with less padding; false: one forward per micro-batch).")
 
 
 class VerlBackend(_Strict):
-    nnodes: int = Field(1, ge=1, description="Nodes in the Ray cluster.")
-    n_gpus_per_node: int = Field(8, ge=1, description="GPUs per node.")
-    tensor_parallel_size: int = Field(1, ge=1, description="vLLM rollout tensor parallel size.")
-    gpu_memory_utilization: float = Field(0.6, gt=0, le=1, description="vLLM share of GPU memory.")
+    nnodes: StrictInt = Field(1, ge=1, description="Nodes in the Ray cluster.")
+    n_gpus_per_node: StrictInt = Field(8, ge=1, description="GPUs per node.")
+    tensor_parallel_size: StrictInt = Field(1, ge=1, description="vLLM rollout tensor parallel size.")
+    gpu_memory_utilization: StrictFloat = Field(0.6, gt=0, le=1, description="vLLM share of GPU memory.")
     device: Literal["cuda", "cpu"] = Field("cuda", description="cpu: the debug path (see README).")
     shared_dir: Optional[str] = Field(
         None, description="Absolute directory every node of the cluster sees (NFS, ...): `--emit-script` puts the run "
@@ -291,12 +300,12 @@ class LoggingConfig(_Strict):
         default_factory=lambda: ["wait", "verify", "check", "recheck", "however", "alternatively"],
         description="Words counted for the reflection-word rate.",
     )
-    samples_every: int = Field(10, ge=0, description="Save rollout samples every k steps (0: never).")
+    samples_every: StrictInt = Field(10, ge=0, description="Save rollout samples every k steps (0: never).")
 
 
 class CheckpointConfig(_Strict):
-    every: int = Field(50, ge=0, description="Save every k steps (0: only at the end).")
-    keep_last: int = Field(2, ge=1, description="Checkpoints kept.")
+    every: StrictInt = Field(50, ge=0, description="Save every k steps (0: only at the end).")
+    keep_last: StrictInt = Field(2, ge=1, description="Checkpoints kept.")
 
 
 class Recipe(_Strict):

@@ -1,4 +1,4 @@
-"""Errors a user can act on. The CLI prints them as one line on stderr and exits 1."""
+"""Errors a user can act on. The CLI prints them as one line on stderr and exits 1 (2 for UsageError)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,18 @@ class StareError(Exception):
         return f"{msg} (hint: {self.hint})" if self.hint else msg
 
 
-class NotImplementedYet(StareError):
-    """A command or option that is planned but not built; never pretends to work."""
+class UsageError(StareError):
+    """A malformed or conflicting command-line option (`-o` without `=`, `--resume` with `--recipe`):
+    the CLI exits 2, as for its parser's own usage errors."""
+
+
+class Interrupted(Exception):
+    """A run stopped by SIGINT or SIGTERM: the message says where and how to resume; the CLI exits
+    with `exit_code` (130 for SIGINT, 143 for SIGTERM)."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:

@@ -70,11 +70,14 @@ def method_defaults(name: str) -> dict[str, Any]:
 
 
 def load_recipe(name_or_path: Optional[str] = None, method: Optional[str] = None,
-                overrides: Optional[list[str]] = None) -> Recipe:
-    """Resolve a recipe: files < the method's defining keys < `-o` overrides; validated."""
+                overrides: Optional[list[str]] = None, resolved: bool = False) -> Recipe:
+    """Resolve a recipe: files < the method's defining keys < `-o` overrides; validated. A `resolved`
+    recipe (a run's config.yaml) already holds its method's keys and the overrides it ran with: it is
+    read as it is, plus `overrides` (applying the method's defaults again would undo earlier -o's)."""
     from stare_cli.recipes import compose_recipe
 
-    return compose_recipe(name_or_path, method, overrides, method_defaults)
+    defaults = (lambda name: {"method.name": check_method(name).name}) if resolved else method_defaults
+    return compose_recipe(name_or_path, method, overrides, defaults)
 
 
 # --------------------------------------------------------------------------------------- records

@@ -22,7 +22,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from stare_cli.config import Recipe
-from stare_cli.errors import StareError, did_you_mean
+from stare_cli.errors import StareError, UsageError, did_you_mean
 
 RECIPE_SUFFIX = ".yaml"
 
@@ -76,6 +76,28 @@ class Layered:
 
     data: dict = field(default_factory=dict)
     origins: dict[tuple, Origin] = field(default_factory=dict)
+
+
+class RecipeLoader(yaml.SafeLoader):
+    """YAML 1.1 safe loading with two fixes for recipes: a repeated key is an error (PyYAML keeps the
+    last silently), and exponent floats without a dot (`1e-6`) are floats, as in YAML 1.2."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key '{key}' (first at line {seen[key] + 1})", key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
+
+
+RecipeLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
 
 
 def _compose_lines(text: str) -> dict[tuple, int]:
@@ -139,11 +161,14 @@ def _load_file(path: Path, layered: Layered, stack: tuple[Path, ...]) -> None:
         chain = " -> ".join(p.name for p in (*stack, path))
         raise StareError(f"{_display(path)}: include cycle: {chain}")
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise StareError(f"{_display(path)}: cannot read recipe: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[: e.start].count(b"\n") + 1
+        raise StareError(f"{_display(path)}:{line}: not UTF-8 text", hint="save the recipe as UTF-8") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=RecipeLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{_display(path)}:{mark.line + 1}" if mark else _display(path)
@@ -182,13 +207,13 @@ def _display(path: Path) -> str:
 def parse_override(text: str) -> tuple[tuple, Any]:
     """'optim.lr=2e-6' -> (('optim', 'lr'), 2e-06); the value is read as YAML (safe)."""
     if "=" not in text:
-        raise StareError(f"override '{text}' is not key.path=value", hint="e.g. -o optim.lr=2e-6")
+        raise UsageError(f"override '{text}' is not key.path=value", hint="e.g. -o optim.lr=2e-6")
     key, _, raw = text.partition("=")
     key = key.strip()
     if not key or any(not part for part in key.split(".")):
-        raise StareError(f"override '{text}' has an empty key", hint="e.g. -o optim.lr=2e-6")
+        raise UsageError(f"override '{text}' has an empty key", hint="e.g. -o optim.lr=2e-6")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = yaml.load(raw, Loader=RecipeLoader) if raw.strip() else ""  # noqa: S506 - safe subclass
     except yaml.YAMLError:
         value = raw
     # YAML 1.1 reads '2e-6' as a string; numbers are what users mean there.
@@ -273,6 +298,11 @@ def compose_recipe(
     for text in overrides or []:
         key, value = parse_override(text)
         _merge(layered, _nest({".".join(key): value}), lambda k, t=text: Origin(f"-o {t}"))
+    if name_or_path:  # a recipe names what it trains and on what; no silent toy defaults
+        for key, what in ((("model", "path"), "model"), (("data", "train"), "training data")):
+            if key not in layered.origins:
+                raise StareError(f"{_display(Path(source))}: the recipe names no {what} ({'.'.join(key)})",
+                                 hint=f"set {'.'.join(key)} in the recipe or an included base, or -o {'.'.join(key)}=...")
     try:
         return Recipe.model_validate(layered.data)
     except ValidationError as e:

@@ -1,23 +1,43 @@
-"""A Python code-interpreter tool for tool-integrated reasoning: every call runs in a fresh process.
+"""A Python code-interpreter tool for tool-integrated reasoning: every call is isolated from the host
+and from every other call, and fails closed.
 
-Containment, per call:
-- a throwaway working directory (deleted afterwards) as cwd, HOME and TMPDIR;
-- resource limits: CPU seconds (RLIMIT_CPU), address space (RLIMIT_AS), file size (RLIMIT_FSIZE),
-  processes (RLIMIT_NPROC), open files; a wall-clock limit kills the whole process group;
-- when started as root, the code runs as an unprivileged user (nobody), so it cannot write outside
-  its work directory except to world-writable places, and RLIMIT_NPROC applies (root ignores it);
-- no network: a new network namespace when the kernel allows it (only loopback, down); otherwise
-  the socket module is disabled in the child before the code runs (a weaker guard, reported in
-  `Observation.isolation`);
-- as root, also a private mount namespace in which /tmp, /var/tmp and /dev/shm are fresh tmpfs, so
-  the only writable place that outlives the call is none (the work directory is deleted);
-- output (stdout and stderr together) is read up to a byte limit and truncated.
+Each call runs in new user, mount, PID, network, IPC, UTS and cgroup namespaces (the launcher is
+stare_cli/_sandbox_init.py), which gives, per call:
+- its own filesystem view: the system directories (/usr, /lib, ...) and the interpreter's
+  installation read-only; private tmpfs for /tmp, HOME (/home/sandbox, the working directory) and
+  /dev/shm, of `file_mb` each; a minimal /dev; a /proc showing only the call's own processes; no
+  /run, /var, /sys, no host home directory, no other calls' files, no host UNIX sockets. Nothing is
+  written on the host, so nothing is left behind when the caller is killed;
+- its own processes: PID 1 of the call's namespace is the launcher; when the code's process exits,
+  everything it started (daemons after double fork and setsid included) is killed by the kernel. The
+  launcher dies with the caller (parent-death signals down the chain), so killing the trainer kills
+  the call;
+- its own uid: uid 0 of its namespace, with every capability dropped for good (bounding set,
+  securebits, no_new_privs). When the caller is root, that uid is a host uid of its own from a pool
+  (one per concurrent call, held by a lock file); otherwise it is the caller's uid, which the
+  read-only mounts and the namespaces keep from touching anything of the caller's;
+- no network: a network namespace with no interface up (`import _socket` does not help);
+- limits: CPU seconds, address space, file size, open files and processes (counted per namespace),
+  plus a wall-clock limit enforced by the caller;
+- an environment of its own (HOME, TMPDIR that exist, PATH, LANG): nothing of the caller's (API
+  keys) is passed; an interpreter with numpy and sympy (by default the one running stare, whose
+  environment has both; `rollout.tools.python` / `Limits.python` chooses another).
+Output (stdout and stderr together) is read up to a byte limit and truncated.
+
+Fails closed: when this kernel does not allow the namespaces, `require_isolation` raises (training
+and `stare eval --tools` refuse to start) and `run_python` returns an error observation instead of
+running the code. `unsafe_no_isolation` (recipe key rollout.tools.unsafe_no_isolation, `stare eval
+--unsafe-no-sandbox`) runs code with only resource limits, a new session and a throwaway directory,
+with a warning on every start: only for code you trust.
+
 A failure of the tool is an observation for the model, never an exception in the caller.
 """
 
 from __future__ import annotations
 
-import ctypes
+import fcntl
+import functools
+import json
 import os
 import resource
 import shutil
@@ -25,19 +45,17 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
 
-CLONE_NEWNET = 0x40000000
-CLONE_NEWNS = 0x00020000
-MS_REC, MS_PRIVATE = 0x4000, 1 << 18
-SCRATCH = (b"/tmp", b"/var/tmp", b"/dev/shm")  # world-writable places, replaced by private tmpfs
-PRELUDE = (
-    "import socket as _s\n"
-    "def _no_net(*a, **k):\n"
-    "    raise OSError('network access is disabled in this sandbox')\n"
-    "_s.socket = _no_net; _s.create_connection = _no_net; _s.getaddrinfo = _no_net\n"
-)
+from stare_cli.errors import StareError
+
+INIT = Path(__file__).with_name("_sandbox_init.py")
+POOL_SIZE = 256  # concurrent calls with a uid of their own (when the caller is root)
+SETUP_FAILED = 125
 
 
 @dataclass(frozen=True)
@@ -45,9 +63,11 @@ class Limits:
     cpu_s: int = 5
     wall_s: float = 10.0
     memory_mb: int = 512
-    file_mb: int = 16
-    nproc: int = 32
+    file_mb: int = 16  # largest file, and the size of each private tmpfs
+    nproc: int = 32  # processes (and threads) in the call's namespace
     output_bytes: int = 4096
+    python: Optional[str] = None  # the interpreter the code runs with (None: the one running stare)
+    unsafe_no_isolation: bool = False  # the opt-out: resource limits only (warned on every start)
 
 
 @dataclass(frozen=True)
@@ -56,7 +76,7 @@ class Observation:
     exit_code: int
     status: str  # ok | error | timeout | killed | output-truncated
     elapsed_s: float
-    isolation: str  # netns+tmpfs | netns | socket-guard
+    isolation: str  # namespaces | none (unsafe_no_isolation)
 
     def text(self) -> str:
         """What the model sees."""
@@ -64,102 +84,167 @@ class Observation:
         return (self.output + tail).strip()
 
 
-def _isolate(libc, mounts: bool) -> bool:
-    """New network (and, as root, mount) namespace; world-writable dirs become private tmpfs.
-    Returns whether the mount part worked."""
-    if libc.unshare(CLONE_NEWNET | (CLONE_NEWNS if mounts else 0)) != 0:
-        raise OSError(ctypes.get_errno(), "unshare failed")
-    if not mounts:
-        return False
-    if libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) != 0:
-        return False
-    ok = True
-    for d in SCRATCH:
-        if os.path.isdir(d):
-            ok &= libc.mount(b"tmpfs", d, b"tmpfs", 0, b"size=64m,mode=1777") == 0
-    return ok
-
-
-def _probe() -> str:
-    """Which isolation this kernel allows: 'netns+tmpfs', 'netns' or 'socket-guard'."""
+# ------------------------------------------------------------------------------------- interpreter
+@functools.lru_cache(maxsize=8)
+def interpreter_info(python: Optional[str]) -> dict:
+    """The interpreter's path and the directories it needs (its prefixes), and whether numpy and
+    sympy import in it. Raises StareError when it does not run."""
+    exe = python or sys.executable
+    probe = ("import sys, os, json, importlib.util as u\n"
+             "print(json.dumps({'exe': os.path.abspath(sys.executable), 'real': os.path.realpath(sys.executable),"
+             " 'prefixes': sorted({sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}),"
+             " 'missing': [m for m in ('numpy', 'sympy') if u.find_spec(m) is None]}))")
     try:
-        pid = os.fork()
-    except OSError:
-        return "socket-guard"
-    if pid == 0:
+        out = subprocess.run([exe, "-I", "-c", probe], capture_output=True, text=True, timeout=60, check=True).stdout
+        info = json.loads(out.strip().splitlines()[-1])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError) as e:
+        raise StareError(f"the sandbox interpreter '{exe}' does not run: {e}",
+                         hint="set rollout.tools.python to a Python 3 interpreter") from None
+    paths = {*info["prefixes"], os.path.dirname(info["real"]), os.path.dirname(info["exe"])}
+    info["ro_paths"] = sorted(p for p in paths if p and p != "/")
+    return info
+
+
+# ------------------------------------------------------------------------------------- uid pool
+def _pool_base() -> int:
+    """The first uid of the pool: the top of this (possibly nested) user namespace's mapped range,
+    below the conventional nobody/nogroup ids."""
+    tops = []
+    for f in ("/proc/self/uid_map", "/proc/self/gid_map"):
         try:
-            mounted = _isolate(ctypes.CDLL(None, use_errno=True), os.geteuid() == 0)
-            os._exit(0 if mounted else 1)
-        except BaseException:
-            os._exit(2)
-    _, status = os.waitpid(pid, 0)
-    return {0: "netns+tmpfs", 1: "netns"}.get(os.waitstatus_to_exitcode(status), "socket-guard")
+            rows = [line.split() for line in Path(f).read_text().splitlines()]
+            tops.append(max(int(r[0]) + int(r[2]) for r in rows))
+        except (OSError, ValueError):
+            tops.append(65536)
+    top = min(min(tops), 2**31)
+    return top - 2 - POOL_SIZE if top > 65536 else 65534 - 1 - POOL_SIZE
 
 
-_NETNS = None
+class _UidSlot:
+    """A host uid of its own for one call (caller root only), held with an exclusive lock file."""
+
+    def __init__(self):
+        self.uid: Optional[int] = None
+        self._file = None
+
+    def __enter__(self) -> "_UidSlot":
+        if os.geteuid() != 0:
+            return self
+        d = Path(tempfile.gettempdir()) / "stare-sandbox-uids"
+        d.mkdir(mode=0o700, exist_ok=True)
+        for slot in range(POOL_SIZE):
+            f = open(d / f"{slot}.lock", "w")
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                f.close()
+                continue
+            self.uid, self._file = _pool_base() + slot, f
+            return self
+        raise OSError(f"all {POOL_SIZE} sandbox uids are in use")
+
+    def __exit__(self, *exc) -> None:
+        if self._file is not None:
+            self._file.close()  # releases the lock
 
 
-def _world_executable(path: str) -> bool:
-    p = os.path.realpath(path)
-    parts = p.split(os.sep)
-    for i in range(2, len(parts) + 1):
-        d = os.sep.join(parts[:i])
-        try:
-            if not os.stat(d).st_mode & 0o001:
-                return False
-        except OSError:
-            return False
-    return True
+# ------------------------------------------------------------------------------- availability
+_CHECK_LOCK = threading.Lock()
+_PROBLEM: dict[Optional[str], Optional[str]] = {}
+_WARNED = False
 
 
-def interpreter(drop_privileges: bool) -> str:
-    """A Python the sandboxed user can execute (the unprivileged user cannot enter /root)."""
-    if not drop_privileges:
-        return sys.executable
-    for cand in (sys.executable, shutil.which("python3") or "", "/usr/bin/python3", "/usr/local/bin/python3"):
-        if cand and _world_executable(cand):
-            return cand
-    raise OSError("no Python interpreter that an unprivileged user can run was found")
+def isolation_problem(python: Optional[str] = None) -> Optional[str]:
+    """Why full isolation is not available here (None when it is): one real call, cached."""
+    with _CHECK_LOCK:
+        if python not in _PROBLEM:
+            try:
+                info = interpreter_info(python)
+            except StareError as e:
+                _PROBLEM[python] = str(e)
+                return _PROBLEM[python]
+            o = _run_isolated("print('ok')", Limits(python=python, cpu_s=10, wall_s=30), info)
+            _PROBLEM[python] = None if (o.status, o.output.strip()) == ("ok", "ok") else (o.output.strip() or o.status)
+        return _PROBLEM[python]
 
 
+def require_isolation(limits: Limits) -> str:
+    """Call before a run that uses the tool: raises StareError when the calls could not be isolated
+    (unless the opt-out is set, which is warned about loudly). Returns the isolation in use."""
+    global _WARNED
+    if limits.unsafe_no_isolation:
+        if not _WARNED:
+            print("WARNING: the tool sandbox is OFF (unsafe_no_isolation): model-written code runs with your "
+                  "user's rights, sees your files, your network and your environment; only resource limits "
+                  "apply", file=sys.stderr, flush=True)
+            _WARNED = True
+        return "none"
+    problem = isolation_problem(limits.python)
+    if problem:
+        raise StareError(f"the tool sandbox cannot isolate calls on this machine ({problem})",
+                         hint="allow unprivileged user namespaces (sysctl user.max_user_namespaces > 0, "
+                              "kernel.unprivileged_userns_clone=1, or AppArmor's userns restriction off), or, for "
+                              "code you trust only, rollout.tools.unsafe_no_isolation=true")
+    missing = interpreter_info(limits.python)["missing"]
+    if missing:
+        print(f"warning: the sandbox interpreter lacks {', '.join(missing)}; set rollout.tools.python",
+              file=sys.stderr)
+    return "namespaces"
+
+
+# ------------------------------------------------------------------------------------------ run
 def run_python(code: str, limits: Limits = Limits()) -> Observation:
-    """Run `code` with `python -I` in a fresh, limited process; return what it printed."""
-    global _NETNS
-    if _NETNS is None:
-        _NETNS = _probe()
-    netns = _NETNS != "socket-guard"
+    """Run `code` with `python -I` in a fresh, isolated, limited process; return what it printed."""
+    if limits.unsafe_no_isolation:
+        return _run_unisolated(code, limits)
+    problem = isolation_problem(limits.python)
+    if problem:  # fail closed: never run the code without isolation
+        return Observation(f"sandbox unavailable: {problem}", -1, "error", 0.0, "namespaces")
+    return _run_isolated(code, limits, interpreter_info(limits.python))
+
+
+def _run_isolated(code: str, limits: Limits, info: dict) -> Observation:
+    try:
+        with _UidSlot() as slot:
+            cfg = {"parent": os.getpid(), "host_uid": slot.uid, "python": info["exe"], "ro_paths": info["ro_paths"],
+                   "cpu_s": limits.cpu_s, "memory_mb": limits.memory_mb, "file_mb": limits.file_mb,
+                   "nproc": limits.nproc, "code": code}
+            argv = [sys.executable, "-I", "-S", str(INIT), json.dumps(cfg)]
+            return _supervise(argv, None, limits, "namespaces", None)
+    except OSError as e:
+        return Observation(f"sandbox could not start: {e}", -1, "error", 0.0, "namespaces")
+
+
+def _run_unisolated(code: str, limits: Limits) -> Observation:
+    """The opt-out: a new session, resource limits, a throwaway working directory; nothing else."""
+    require_isolation(limits)  # the warning
     work = tempfile.mkdtemp(prefix="stare-sbx-")
-    as_root = os.geteuid() == 0
-    if as_root:
-        os.chmod(work, 0o777)
-    uid = 65534  # nobody
 
-    def preexec() -> None:  # runs in the child after chdir(work), before exec
-        os.setsid()
-        if netns:  # the work dir stays reachable as the cwd even under the private /tmp
-            _isolate(ctypes.CDLL(None, use_errno=True), _NETNS == "netns+tmpfs")
+    def preexec() -> None:
+        mb = 1024 * 1024
         resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 1))
-        mem = limits.memory_mb * 1024 * 1024
-        resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-        size = limits.file_mb * 1024 * 1024
-        resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
-        resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
-        if as_root:
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-        resource.setrlimit(resource.RLIMIT_NPROC, (limits.nproc, limits.nproc))
+        resource.setrlimit(resource.RLIMIT_AS, (limits.memory_mb * mb, limits.memory_mb * mb))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_mb * mb, limits.file_mb * mb))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
-    src = code if netns else PRELUDE + code
     env = {"HOME": work, "TMPDIR": work, "PATH": "/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1", "LANG": "C.UTF-8"}
+    try:
+        return _supervise([limits.python or sys.executable, "-I", "-c", code], preexec, limits, "none", work, env)
+    except OSError as e:
+        return Observation(f"sandbox could not start: {e}", -1, "error", 0.0, "none")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _supervise(argv: list[str], preexec, limits: Limits, isolation: str, cwd: Optional[str],
+               env: Optional[dict] = None) -> Observation:
+    """Start `argv` in a new session, read its output up to the byte limit, kill its process group at
+    the end or at the wall-clock limit, and turn the result into an Observation."""
     t0 = time.monotonic()
     status = "ok"
-    try:
-        proc = subprocess.Popen([interpreter(as_root), "-I", "-c", src], cwd=work, env=env, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=preexec)
-    except OSError as e:
-        shutil.rmtree(work, ignore_errors=True)
-        return Observation(f"sandbox could not start: {e}", -1, "error", 0.0, _NETNS)
+    proc = subprocess.Popen(argv, cwd=cwd, env=env if env is not None else {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True, preexec_fn=preexec)
     out = bytearray()
     truncated = False
     os.set_blocking(proc.stdout.fileno(), False)
@@ -171,7 +256,7 @@ def run_python(code: str, limits: Limits = Limits()) -> Observation:
         if chunk:
             if len(out) < limits.output_bytes:
                 out += chunk[: limits.output_bytes - len(out)]
-            if len(out) >= limits.output_bytes and not truncated:
+            if len(out) >= limits.output_bytes:
                 truncated = True
         if proc.poll() is not None and not chunk:
             break
@@ -180,22 +265,22 @@ def run_python(code: str, limits: Limits = Limits()) -> Observation:
             break
         if not chunk:
             time.sleep(0.005)
-    try:  # the whole process group, also children that outlive the code's own process (fork bombs)
+    try:  # the launcher's group; the namespace dies with it (parent-death signals, PID 1)
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
     code_ = proc.wait()
+    proc.stdout.close()
     elapsed = time.monotonic() - t0
-    shutil.rmtree(work, ignore_errors=True)
+    text = out.decode("utf-8", errors="replace")
     if status == "ok":
         if code_ < 0:
             sig = -code_
             status = "timeout" if sig in (signal.SIGXCPU, signal.SIGKILL) and elapsed >= limits.cpu_s else "killed"
-        elif code_ != 0:
+        elif code_ != 0:  # SETUP_FAILED with "sandbox setup failed: ..." when the launcher could not isolate
             status = "error"
         elif truncated:
             status = "output-truncated"
-    text = out.decode("utf-8", errors="replace")
     if truncated:
         text += "\n[output truncated]"
-    return Observation(text, code_, status, elapsed, _NETNS)
+    return Observation(text, code_, status, elapsed, isolation)

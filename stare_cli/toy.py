@@ -20,7 +20,7 @@ import random
 import shutil
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 TOY_VERSION = 1
 WORDS = ["Compute", "first", "we", "get", "so", "then", "and", "the", "answer", "is", "thus", "result", "\\boxed{"]
@@ -234,27 +234,59 @@ def ensure_toy_model(task: str = "arith", force: bool = False) -> Path:
     if path.exists() and not force:
         add_chat_template(path)
         return path
-    import torch
 
-    prev_threads = torch.get_num_threads()
-    torch.set_num_threads(SFT_THREADS)
-    tok = build_tokenizer(task)
-    conf = TOY_SFT if task == "arith" else TOOL_SFT
-    model = build_model(len(tok), conf["seed"])
-    n = sum(p.numel() for p in model.parameters())
-    print(f"building the toy model ({n / 1e6:.2f}M parameters) and warming it up; cached in {path}", flush=True)
-    try:
-        sft(model, tok, conf["steps"], conf["batch"], conf["lr"], conf["seed"], task=task)
-    finally:
-        torch.set_num_threads(prev_threads)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tok.save_pretrained(tmp)
-    (tmp / "toy.json").write_text(json.dumps({"task": task, "version": TOY_VERSION, "key": toy_key(task), "sft": conf,
-                                                   "threads": SFT_THREADS}))
-    if path.exists():
-        shutil.rmtree(path)
-    os.replace(tmp, path)
+    def build(tmp: Path) -> None:
+        import torch
+
+        prev_threads = torch.get_num_threads()
+        torch.set_num_threads(SFT_THREADS)
+        tok = build_tokenizer(task)
+        conf = TOY_SFT if task == "arith" else TOOL_SFT
+        model = build_model(len(tok), conf["seed"])
+        n = sum(p.numel() for p in model.parameters())
+        print(f"building the toy model ({n / 1e6:.2f}M parameters) and warming it up; cached in {path}", flush=True)
+        try:
+            sft(model, tok, conf["steps"], conf["batch"], conf["lr"], conf["seed"], task=task)
+        finally:
+            torch.set_num_threads(prev_threads)
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        (tmp / "toy.json").write_text(json.dumps({"task": task, "version": TOY_VERSION, "key": toy_key(task),
+                                                  "sft": conf, "threads": SFT_THREADS}))
+
+    build_once(path, build, force)
+    add_chat_template(path)
     return path
+
+
+def build_once(path: Path, build: Callable[[Path], None], force: bool = False) -> bool:
+    """Make the cache entry `path` with `build(tmp_dir)`, once, whoever asks at the same time.
+
+    Holders of an exclusive lock on `<path>.lock` build; a process that waited finds the entry made
+    and returns (False). The entry is built in a temporary sibling and renamed into place, so readers
+    never see half of one; temporaries of killed builders are removed under the lock. Returns True
+    when this call built it."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes (also when the process dies)
+        if path.exists() and not force:
+            return False
+        for stale in path.parent.glob(path.name + ".tmp*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        tmp.mkdir()
+        try:
+            build(tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        if path.exists():
+            old = path.with_name(path.name + f".tmp{os.getpid()}-old")
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
+        return True

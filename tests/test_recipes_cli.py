@@ -125,7 +125,24 @@ BROKEN_CASES = {
     "stare_p_above_one.yaml": ("stare_p_above_one.yaml:4:", "method.stare.P: Input should be less than or equal to 1"),
     "micro_not_dividing.yaml": ("micro_not_dividing.yaml:3:", "optim.micro_batch_size (7) must divide"),
     "gen_below_train.yaml": ("gen_below_train.yaml:3:", "rollout.gen_batch_size (8) must be >= optim.train_batch_size (16)"),
+    "duplicate_key.yaml": ("duplicate_key.yaml:5:", "duplicate key 'lr' (first at line 3)"),
+    "bool_as_int.yaml": ("bool_as_int.yaml:3:", "optim.total_steps: Input should be a valid integer (got True)"),
+    "quoted_float.yaml": ("quoted_float.yaml:3:", "optim.lr: Input should be a valid number (got '1e-6')"),
+    "int_as_bool.yaml": ("int_as_bool.yaml:3:", "data.shuffle: Input should be a valid boolean (got 1)"),
+    "empty.yaml": ("empty.yaml:", "the recipe names no model (model.path)"),
+    "no_data.yaml": ("no_data.yaml:", "the recipe names no training data (data.train)"),
 }
+
+
+def test_exponent_floats_without_a_dot_are_floats_in_files_and_overrides(cli, tmp_path):
+    # YAML 1.1 reads `1e-6` as a string; recipes read it as YAML 1.2 does (a float), so strict
+    # float fields accept it while a quoted "1e-6" stays a string and fails (quoted_float.yaml).
+    f = tmp_path / "r.yaml"
+    f.write_text(f"include: {REPO / 'recipes/tiny/arith.yaml'}\noptim:\n  lr: 3e-5\n")
+    code, out, err = cli("recipes", "show", str(f), "-o", "optim.weight_decay=1E-2")
+    assert code == 0, err
+    shown = yaml.safe_load(out)
+    assert shown["optim"]["lr"] == 3e-5 and shown["optim"]["weight_decay"] == 0.01
 
 
 @pytest.mark.parametrize("name", sorted(BROKEN_CASES))

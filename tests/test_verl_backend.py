@@ -6,6 +6,7 @@ script, data preparation, the reward manager and the tool config."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -219,9 +220,14 @@ def test_dry_run_and_job_script(cli, tmp_path):
     assert "reward.reward_manager.module.path='pkg://stare_cli.backends.verl_reward'" in lines
     assert any(line.startswith("+stare.recipe={name:'short-cot/qwen2.5-math-7b'") for line in lines)
     script = tmp_path / "job.sh"
+    data = tmp_path / "shared" / "data" / "short-cot-qwen2.5-math-7b"  # `stare data prepare` puts it here
+    data.mkdir(parents=True)
+    (data / "train.parquet").touch()  # checked for, not read, when the script is written
     code, out, err = cli("train", "--recipe", "short-cot/qwen2.5-math-7b", "--method", "stare-o1", "--backend", "verl",
-                         "--emit-script", str(script), "--out", str(tmp_path / "runs"), "-o", "rollout.refill=per_group")
+                         "--emit-script", str(script), "--shared-dir", str(tmp_path / "shared"),
+                         "-o", "rollout.refill=per_group")
     assert code == 0, err
+    assert Path(out.strip()).parent == tmp_path / "shared" / "runs"
     text = script.read_text()
     assert "ray job submit" in text and "VERL_USE_EXTERNAL_MODULES" in text and "verl.trainer.main_ppo" in text
     env = json.loads(text.split("--runtime-env-json=")[1].split(" -- ")[0].strip("'"))
@@ -291,8 +297,9 @@ def test_tool_config_loads_through_verls_loader_and_runs_our_sandbox(tmp_path):
 
     cfg = load_recipe("tool-use/qwen2.5-7b", "stare-o1", PER_GROUP)
     assert [k for k, _ in refusals(cfg)] == ["rollout.tools.format"]  # markdown blocks: refused on verl
-    t = cfg.rollout.tools
-    (tmp_path / "tools.yaml").write_text(yaml.safe_dump(tool_config(t.cpu_s, t.wall_s, t.memory_mb, t.output_bytes)))
+    from stare_cli.backends.embedded import tool_limits
+
+    (tmp_path / "tools.yaml").write_text(yaml.safe_dump(tool_config(tool_limits(cfg.rollout.tools))))
     (tool,) = initialize_tools_from_config(str(tmp_path / "tools.yaml"))  # verl's own loader
     assert isinstance(tool, SandboxTool)
 

@@ -45,9 +45,12 @@ from typing import Any, Optional
 from stare_cli.config import Recipe
 from stare_cli.errors import StareError
 from benchmarks.metrics import reflection_rate
-from stare_cli.runs import append_jsonl, atomic_write_text, new_run_dir, read_jsonl, write_run_meta
+from stare_cli.resume import ResumePlan, no_checkpoint_error, set_aside
+from stare_cli.signals import StopAtStepBoundary
+from stare_cli.runs import (STATE as RUN_STATE, append_jsonl, atomic_write_text, checkpoint_steps, clean_stale_temporaries,
+                            fsync_dir, fsync_tree, hold_run_lock, new_run_dir, read_jsonl, record_config, usable_checkpoint,
+                            write_manifest, write_run_meta)
 
-RUN_STATE = "state.json"
 
 
 # ------------------------------------------------------------------------------------------ data
@@ -237,6 +240,8 @@ def pack(samples: list, pad_id: int, device) -> dict:
 
 # ----------------------------------------------------------------------------------- checkpoints
 def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, scheduler, state: dict, keep_last: int) -> Path:
+    """Write checkpoints/step-N: files into a temporary directory, a manifest of their sizes last,
+    everything fsynced, renamed into place, then `latest` swapped to it (runs.py: the guarantees)."""
     import torch
 
     ckpt_root = run_dir / "checkpoints"
@@ -249,29 +254,18 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, sched
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                 "torch_rng": torch.get_rng_state()}, tmp / "trainer.pt")
     (tmp / RUN_STATE).write_text(json.dumps(state, indent=2))
+    write_manifest(tmp)
+    fsync_tree(tmp)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     link_tmp = ckpt_root / ".latest.tmp"
     link_tmp.unlink(missing_ok=True)
     link_tmp.symlink_to(final.name)
     os.replace(link_tmp, ckpt_root / "latest")
-    steps = sorted(p for p in ckpt_root.glob("step-*") if p.is_dir())
-    for old in steps[:-keep_last]:
+    fsync_dir(ckpt_root)
+    for old in checkpoint_steps(run_dir)[keep_last:]:
         shutil.rmtree(old, ignore_errors=True)
     return final
-
-
-def resume_recipe(run_dir: Path, overrides: list[str]) -> Recipe:
-    """The recipe a run was started with (its config.yaml), plus any new overrides."""
-    from stare_cli.method_layer import load_recipe
-
-    cfg_file = Path(run_dir) / "config.yaml"
-    if not cfg_file.exists():
-        raise StareError(f"--resume: '{run_dir}' is not a run directory (no config.yaml)")
-    if not (Path(run_dir) / "meta.json").exists():
-        raise StareError(f"--resume: '{run_dir}' is not a run directory stare created (no meta.json)",
-                         hint="resume only run directories you trust (verl's checkpoint loading runs pickle)")
-    return load_recipe(str(cfg_file), None, overrides)  # config.yaml keeps the run's recipe name
 
 
 # ---------------------------------------------------------------------------------------- logger
@@ -449,8 +443,37 @@ def old_logprobs_and_entropy(model, batch: dict, parts: list[list[int]], tempera
     return old, ent
 
 
-def train(cfg: Recipe, out_root: Path | str = "runs", resume_dir: Optional[Path] = None) -> Path:
-    """Train `cfg.method` under `cfg` with the embedded backend. Returns the run directory."""
+def restore_trainer_state(ckpt: Path, opt, sched, layer, cfg: Recipe) -> tuple[int, int]:
+    """Load the optimizer, scheduler, RNG and controller state of `ckpt`; return (step, data cursor).
+    Then apply the recipe in effect: a resume may change optim.lr, weight_decay, the schedule or
+    total_steps (recorded in config-history.jsonl), and torch's load_state_dict would otherwise bring
+    back the old lr and weight decay."""
+    import torch
+
+    try:
+        blob = torch.load(ckpt / "trainer.pt", weights_only=True)  # our own file; tensors only
+    except Exception as e:  # noqa: BLE001 - any unreadable file: name it
+        raise StareError(f"{ckpt / 'trainer.pt'}: unreadable ({type(e).__name__}: {str(e)[:120]})",
+                         hint="resume from an earlier checkpoint: point checkpoints/latest at it") from None
+    opt.load_state_dict(blob["optimizer"])
+    sched.load_state_dict(blob["scheduler"])
+    torch.set_rng_state(blob["torch_rng"])
+    st = json.loads((ckpt / RUN_STATE).read_text())
+    if layer.controller is not None and st.get("controller"):
+        layer.controller.load_state_dict(st["controller"])
+    O = cfg.optim
+    sched.base_lrs = [O.lr for _ in opt.param_groups]
+    for g in opt.param_groups:
+        g["initial_lr"], g["weight_decay"] = O.lr, O.weight_decay
+        g["lr"] = O.lr * sched.lr_lambdas[0](sched.last_epoch)
+    sched._last_lr = [g["lr"] for g in opt.param_groups]
+    return st["step"], st["cursor"]
+
+
+def train(cfg: Recipe, out_root: Path | str = "runs", resume: Optional["ResumePlan"] = None) -> Path:
+    """Train `cfg.method` under `cfg` with the embedded backend (with `resume`, continue that run
+    from its newest intact checkpoint, `resume.recipe` being `cfg`). Returns the run directory.
+    SIGINT/SIGTERM: the step finishes, a checkpoint is written, and Interrupted is raised."""
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -473,6 +496,10 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume_dir: Optional[Path]
     device = torch.device(dev_name)
     if O.precision == "fp16" and device.type != "cuda":
         raise StareError("optim.precision fp16 needs a CUDA device", hint="-o optim.precision=fp32 (or bf16) on CPU")
+    if R.tools.enable:  # fail closed, before anything loads: the sandbox must isolate every call
+        from stare_cli.sandbox import require_isolation
+
+        require_isolation(tool_limits(R.tools))
     use_vllm = R.engine == "vllm" or (R.engine == "auto" and device.type == "cuda" and not R.tools.enable
                                       and importlib.util.find_spec("vllm") is not None)
     if use_vllm and R.tools.enable:
@@ -484,11 +511,26 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume_dir: Optional[Path]
             raise StareError("vLLM is not installed", hint="pip install 'stare[vllm]' on a GPU machine, "
                              "or -o rollout.engine=hf") from None
 
-    # ---- run directory, model, optimizer
-    run_dir = Path(resume_dir) if resume_dir else new_run_dir(cfg, out_root)
-    latest = run_dir / "checkpoints" / "latest"
-    resuming = resume_dir is not None and latest.exists()
-    model_path = str(latest.resolve()) if resuming else resolve_model_path(cfg.model.path)
+    # ---- run directory (new, resumed or restarted), model, optimizer
+    ckpt = None
+    if resume is not None:
+        run_dir = resume.run_dir
+        run_lock = hold_run_lock(run_dir)  # held until this process ends
+        clean_stale_temporaries(run_dir)
+        if resume.restart:
+            set_aside(run_dir)
+        else:
+            ckpt, skipped = usable_checkpoint(run_dir)
+            for why in skipped:
+                print(f"warning: skipping checkpoint: {why}", file=sys.stderr)
+            if ckpt is None:
+                raise no_checkpoint_error(run_dir, skipped)
+            if skipped:
+                print(f"warning: resuming from {ckpt.name}", file=sys.stderr)
+    else:
+        run_dir = new_run_dir(cfg, out_root)
+        run_lock = hold_run_lock(run_dir)
+    model_path = str(ckpt) if ckpt is not None else resolve_model_path(cfg.model.path)
     tok = load_tokenizer(model_path, trust_remote_code=cfg.model.trust_remote_code)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
@@ -511,21 +553,18 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume_dir: Optional[Path]
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     step, cursor = 0, 0
-    if resuming:
-        blob = torch.load(latest / "trainer.pt", weights_only=True)  # our own file; tensors only
-        opt.load_state_dict(blob["optimizer"])
-        sched.load_state_dict(blob["scheduler"])
-        torch.set_rng_state(blob["torch_rng"])
-        st = json.loads((latest / RUN_STATE).read_text())
-        step, cursor = st["step"], st["cursor"]
-        if layer.controller is not None and st.get("controller"):
-            layer.controller.load_state_dict(st["controller"])
+    if ckpt is not None:
+        step, cursor = restore_trainer_state(ckpt, opt, sched, layer, cfg)
         # Drop metrics written after the checkpoint (a crash mid-way): the resumed run redoes them.
         rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("step", 0) <= step]
         atomic_write_text(run_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+        record_config(run_dir, cfg, "resume", step, list(resume.overrides), resume.changed)
     else:
         write_run_meta(run_dir, cfg, {"backend": "embedded", "device": str(device), "model_path": model_path,
                                       "reward_grader": layer.reward_function().grader.tag})
+        record_config(run_dir, cfg, "restart" if resume is not None else "start", 0,
+                      list(resume.overrides) if resume is not None else [], resume.changed if resume else {})
+    resuming = ckpt is not None
 
     rows = load_prompts(cfg)
     use_chat = cfg.model.chat_template == "auto"
@@ -558,6 +597,7 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume_dir: Optional[Path]
         return torch.autocast(device.type, dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[O.precision])
 
     scaler = torch.amp.GradScaler("cuda") if O.precision == "fp16" else None
+    stop = StopAtStepBoundary(lambda: f"step {step + 1} of {O.total_steps}").install()
 
     try:
         while step < O.total_steps:
@@ -667,12 +707,17 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume_dir: Optional[Path]
                 sync_rollout_weights()
                 metrics.update(_evaluate(engine, eval_grader, cfg, tok, use_chat, step, run_dir, tools))
             _finish_step(run_dir, step, metrics, t_step, ro.t_gen, ro.t_score, t_train, log, wb)
-            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == O.total_steps:
+            stopping = stop.signum is not None  # SIGINT/SIGTERM during this step: checkpoint, then stop
+            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == O.total_steps or stopping:
                 state = {"step": step, "cursor": cursor, "method": layer.spec.name,
                          "controller": layer.controller.state_dict() if layer.controller is not None else None}
                 save_checkpoint(run_dir, step, model, tok, opt, sched, state, cfg.checkpoint.keep_last)
+            stop.check(lambda: f"interrupted at step {step} (checkpoint written); "
+                               f"resume with: stare train --resume {run_dir}")
     finally:
+        stop.restore()
         log.close()
+        run_lock.close()
         layer.close()
         eval_grader.close()
         if wb is not None:
@@ -686,10 +731,16 @@ def _tool_spec(cfg: Recipe):
     if not t.enable:
         return None
     from benchmarks.tools import ToolSpec
+
+    return ToolSpec(format=t.format, max_turns=t.max_turns, limits=tool_limits(t))
+
+
+def tool_limits(t) -> "Limits":
+    """The sandbox limits of a recipe's rollout.tools section."""
     from stare_cli.sandbox import Limits
 
-    return ToolSpec(format=t.format, max_turns=t.max_turns,
-                    limits=Limits(cpu_s=t.cpu_s, wall_s=t.wall_s, memory_mb=t.memory_mb, output_bytes=t.output_bytes))
+    return Limits(cpu_s=t.cpu_s, wall_s=t.wall_s, memory_mb=t.memory_mb, output_bytes=t.output_bytes,
+                  file_mb=t.file_mb, nproc=t.nproc, python=t.python, unsafe_no_isolation=t.unsafe_no_isolation)
 
 
 def _finish_step(run_dir, step, metrics, t_step, t_gen, t_score, t_train, log, wb) -> None:

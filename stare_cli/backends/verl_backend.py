@@ -22,12 +22,16 @@ from __future__ import annotations
 
 import json
 import shlex
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from stare_cli.config import Recipe
 from stare_cli.errors import StareError
+
+if TYPE_CHECKING:
+    from stare_cli.resume import ResumePlan
 
 EXT_MODULE = "stare_cli.backends.verl_ext"
 LOSS_MODE = "stare_layer"  # our policy loss in verl's registry: the method layer's loss
@@ -204,7 +208,8 @@ TABLE: list[Row] = [
         refuse=_unless_default("rollout.engine", "rollout.vllm_gpu_memory_utilization",
                                why="the embedded backend's rollout engine settings; verl's are backend.verl.*")),
     Row(("rollout.tools.enable", "rollout.tools.format", "rollout.tools.max_turns", "rollout.tools.cpu_s",
-         "rollout.tools.wall_s", "rollout.tools.memory_mb", "rollout.tools.output_bytes"), "verl",
+         "rollout.tools.wall_s", "rollout.tools.memory_mb", "rollout.tools.output_bytes", "rollout.tools.file_mb",
+         "rollout.tools.nproc", "rollout.tools.python", "rollout.tools.unsafe_no_isolation"), "verl",
         "verl's tool agent with our sandbox (tools.yaml in the run directory)",
         lambda c: {f"{R_}.multi_turn.enable": True, f"{R_}.multi_turn.max_assistant_turns": c.rollout.tools.max_turns + 1,
                    f"{R_}.multi_turn.max_tool_response_length": c.rollout.tools.output_bytes,
@@ -493,20 +498,33 @@ def resume_point(run_dir: Path) -> tuple[int, Optional[Path]]:
         # verl's checkpoint loaders unpickle: only run directories stare created (and that you trust)
         raise StareError(f"--resume: '{run_dir}' is not a run directory stare created (no meta.json)",
                          hint="resume only run directories you trust: verl's checkpoint loading runs pickle")
+    from stare_cli.resume import no_checkpoint_error
+    from stare_cli.runs import atomic_write_text
+
     tracker = run_dir / "checkpoints" / "latest_checkpointed_iteration.txt"
-    if not tracker.exists():
-        raise StareError(f"--resume: '{run_dir}' has no verl checkpoint yet",
-                         hint="start a new run (checkpoint.every sets how often verl saves)")
+    steps = sorted((int(p.name.rsplit("_", 1)[1]) for p in (run_dir / "checkpoints").glob("global_step_*")
+                    if p.name.rsplit("_", 1)[1].isdigit() and (p / "actor").is_dir()), reverse=True)
+    skipped = []
+    named = tracker.read_text().strip() if tracker.exists() else None
+    if named is not None and (not named.isdigit() or int(named) not in steps):
+        skipped.append(f"{tracker} names step {named!r}, whose global_step_{named}/actor does not exist")
+    if not steps:
+        raise no_checkpoint_error(run_dir, skipped)
+    step = int(named) if named is not None and not skipped else steps[0]
+    if skipped:  # verl resumes from what the tracker names: point it at the newest complete one
+        print(f"warning: skipping checkpoint: {skipped[0]}; resuming from global_step_{step}", file=sys.stderr)
+        atomic_write_text(tracker, str(step))
     meta = json.loads((run_dir / "meta.json").read_text())
     train = next((o.split("=", 1)[1] for o in meta.get("overrides", []) if o.startswith("data.train_files=")), None)
-    return int(tracker.read_text().strip()), Path(train).parent if train else None
+    return step, Path(train).parent if train else None
 
 
 def run(cfg: Recipe, out_root: Path, dry_run: bool = False, emit_script: Optional[Path] = None,
-        data_dir: Optional[Path] = None, resume_dir: Optional[Path] = None) -> Optional[Path]:
-    """Dry-run (print overrides), write a Ray job script, or launch verl locally. With `resume_dir`,
+        data_dir: Optional[Path] = None, resume: Optional["ResumePlan"] = None) -> Optional[Path]:
+    """Dry-run (print overrides), write a Ray job script, or launch verl locally. With `resume`,
     verl continues that run from its latest checkpoint (its own resume_mode=auto; our controller
-    state comes back with it) and metrics rows after that checkpoint are dropped, to be redone."""
+    state comes back with it) and metrics rows after that checkpoint are dropped, to be redone; with
+    `resume.restart` the run starts again from step 1 (earlier outputs set aside)."""
     import os
     import subprocess
     import sys
@@ -542,14 +560,18 @@ def run(cfg: Recipe, out_root: Path, dry_run: bool = False, emit_script: Optiona
             path = copy
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": str(path)})})
     resumed_at = None
-    if resume_dir is not None:
+    if resume is not None:
+        from stare_cli.resume import set_aside
         from stare_cli.runs import atomic_write_text, read_jsonl
 
-        run_dir = Path(resume_dir)
-        resumed_at, used_data = resume_point(run_dir)
-        data_dir = data_dir or used_data
-        rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("step", 0) <= resumed_at]
-        atomic_write_text(run_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+        run_dir = Path(resume.run_dir)
+        if resume.restart:
+            set_aside(run_dir)
+        else:
+            resumed_at, used_data = resume_point(run_dir)
+            data_dir = data_dir or used_data
+            rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("step", 0) <= resumed_at]
+            atomic_write_text(run_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
     else:
         run_dir = new_run_dir(cfg, out_root)
     run_dir = run_dir.resolve()  # verl's processes may run elsewhere: absolute paths only
@@ -563,12 +585,22 @@ def run(cfg: Recipe, out_root: Path, dry_run: bool = False, emit_script: Optiona
 
         from stare_cli.backends.verl_tools import tool_config
 
-        t = cfg.rollout.tools
-        (run_dir / "tools.yaml").write_text(yaml.safe_dump(tool_config(t.cpu_s, t.wall_s, t.memory_mb, t.output_bytes)))
+        from stare_cli.backends.embedded import tool_limits
+        from stare_cli.sandbox import require_isolation
+
+        limits = tool_limits(cfg.rollout.tools)
+        require_isolation(limits)  # here too, before the job starts (the workers check again)
+        (run_dir / "tools.yaml").write_text(yaml.safe_dump(tool_config(limits)))
     from stare_cli.method_layer import MethodLayer
 
-    write_run_meta(run_dir, cfg, {"backend": "verl", "overrides": overrides, "resumed_at_step": resumed_at,
-                                  "reward_grader": MethodLayer.from_recipe(cfg).reward_function().grader.tag})
+    from stare_cli.runs import record_config
+
+    if resumed_at is None:  # a new run, or a restart: meta.json describes this start
+        write_run_meta(run_dir, cfg, {"backend": "verl", "overrides": overrides,
+                                      "reward_grader": MethodLayer.from_recipe(cfg).reward_function().grader.tag})
+    record_config(run_dir, cfg, "start" if resume is None else ("restart" if resume.restart else "resume"),
+                  resumed_at or 0, list(resume.overrides) if resume else [], resume.changed if resume else {},
+                  extra={"verl_overrides": overrides})
     if emit_script:
         emit_script.write_text(ray_job_script(cfg, overrides, run_dir))
         emit_script.chmod(0o755)

@@ -1,7 +1,7 @@
 """The Python sandbox as a verl tool, so verl's multi-turn rollouts (tool_agent loop, hermes tool
 calls) use the same sandbox as the embedded backend. Imported only inside verl processes.
 
-`tool_config(cfg)` is the YAML verl reads from actor_rollout_ref.rollout.multi_turn.tool_config_path.
+`tool_config(limits)` is the YAML verl reads from actor_rollout_ref.rollout.multi_turn.tool_config_path.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from uuid import uuid4
 from verl.tools.base_tool import BaseTool
 from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
 
-from stare_cli.sandbox import Limits, run_python
+from stare_cli.sandbox import Limits, require_isolation, run_python
 
 SCHEMA = {
     "type": "function",
@@ -29,8 +29,8 @@ SCHEMA = {
 class SandboxTool(BaseTool):  # verl's tool interface
     def __init__(self, config: dict, tool_schema: Optional[OpenAIFunctionToolSchema] = None):
         super().__init__(config, tool_schema or OpenAIFunctionToolSchema.model_validate(SCHEMA))
-        self.limits = Limits(cpu_s=int(config.get("cpu_s", 5)), wall_s=float(config.get("wall_s", 10.0)),
-                             memory_mb=int(config.get("memory_mb", 512)), output_bytes=int(config.get("output_bytes", 1024)))
+        self.limits = Limits(**config["limits"])
+        require_isolation(self.limits)  # fail closed in verl's processes too
 
     async def create(self, instance_id: Optional[str] = None, **kwargs) -> tuple[str, ToolResponse]:
         return instance_id or str(uuid4()), ToolResponse()
@@ -46,9 +46,12 @@ class SandboxTool(BaseTool):  # verl's tool interface
         return None
 
 
-def tool_config(cpu_s: int, wall_s: float, memory_mb: int, output_bytes: int) -> dict:
+def tool_config(limits: Limits) -> dict:
+    """The tool file verl reads: our sandbox with every limit of the recipe's rollout.tools."""
+    from dataclasses import asdict
+
     return {"tools": [{
         "class_name": f"{__name__}.SandboxTool",
-        "config": {"type": "native", "cpu_s": cpu_s, "wall_s": wall_s, "memory_mb": memory_mb, "output_bytes": output_bytes},
+        "config": {"type": "native", "limits": asdict(limits)},
         "tool_schema": SCHEMA,
     }]}

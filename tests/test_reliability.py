@@ -1,0 +1,268 @@
+"""Resume that never silently restarts, interrupts that checkpoint, run directories and caches that
+concurrent processes cannot share by accident, durable checkpoints, and bad input that names where
+it is (issue 14). Runs the real CLI on the quick toy."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO
+from test_embedded import FAST, _rows_without_time, _train
+
+
+def _steps(run: Path) -> list[int]:
+    return [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _history(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "config-history.jsonl").read_text().splitlines()]
+
+
+# ------------------------------------------------------------------------------- resume refusals
+def test_resume_without_any_checkpoint_refuses_and_restart_starts_again(cli, tmp_path, quick_toy):
+    run = _train(cli, tmp_path, quick_toy, "grpo-ds", "optim.total_steps=1", "method.dynamic_sampling=false")
+    # as if killed before its first checkpoint: the run dir has metrics but no checkpoint
+    for p in (run / "checkpoints").iterdir():
+        p.unlink() if p.is_symlink() else __import__("shutil").rmtree(p)
+    before = (run / "metrics.jsonl").read_text()
+    code, out, err = cli("train", "--resume", str(run))
+    assert code == 1 and out == ""
+    assert "has no usable checkpoint (it stopped before its first checkpoint)" in err and "--restart" in err
+    assert (run / "metrics.jsonl").read_text() == before  # nothing touched
+    code, out, err = cli("train", "--resume", str(run), "--restart")
+    assert code == 0, err
+    assert _steps(run) == [1]  # started again, rows not duplicated
+    aside = list((run / "restarts").iterdir())
+    assert len(aside) == 1 and (aside[0] / "metrics.jsonl").read_text() == before
+    assert [h["event"] for h in _history(run)] == ["start", "restart"]
+
+
+def test_dangling_latest_is_named_and_refused(cli, tmp_path, quick_toy):
+    run = _train(cli, tmp_path, quick_toy, "grpo-ds", "optim.total_steps=1", "method.dynamic_sampling=false")
+    target = (run / "checkpoints" / "latest").resolve()
+    __import__("shutil").rmtree(target)
+    code, _, err = cli("train", "--resume", str(run))
+    assert code == 1 and f"points to {target.name}, which does not exist" in err
+
+
+def test_truncated_latest_falls_back_to_the_previous_checkpoint_with_a_warning(cli, tmp_path, quick_toy):
+    extra = ["optim.total_steps=3", "checkpoint.every=1", "checkpoint.keep_last=2", "method.dynamic_sampling=false",
+             "optim.schedule=constant", "optim.warmup_steps=0"]  # then the lr does not depend on total_steps
+    run = _train(cli, tmp_path / "a", quick_toy, "stare-o1", *extra)
+    ref = _train(cli, tmp_path / "b", quick_toy, "stare-o1", *extra[1:], "optim.total_steps=4")
+    weights = (run / "checkpoints" / "latest" / "model.safetensors").resolve()
+    assert weights.parent.name == "step-000003"
+    with open(weights, "r+b") as f:  # a copy cut short
+        f.truncate(weights.stat().st_size // 2)
+    code, _, err = cli("train", "--resume", str(run), "-o", "optim.total_steps=4")
+    assert code == 0, err
+    assert f"warning: skipping checkpoint: {weights}" in err and "truncated" in err
+    assert "resuming from step-000002" in err
+    assert _steps(run) == [1, 2, 3, 4]  # step 3 redone, not duplicated
+    # redone from step 2's state, the run equals an uninterrupted 4-step run (total_steps only sets the end)
+    assert _rows_without_time(run / "metrics.jsonl") == _rows_without_time(ref / "metrics.jsonl")
+
+
+def test_a_checkpoint_without_its_manifest_is_not_used(tmp_path):
+    from stare_cli.runs import checkpoint_problem, usable_checkpoint
+
+    ck = tmp_path / "checkpoints" / "step-000001"
+    ck.mkdir(parents=True)
+    (ck / "state.json").write_text('{"step": 1}')
+    assert "manifest.json: missing" in checkpoint_problem(ck)
+    assert usable_checkpoint(tmp_path) == (None, [checkpoint_problem(ck)])
+
+
+# --------------------------------------------------------------------------- overrides on resume
+def test_overrides_on_resume_are_applied_and_recorded(cli, tmp_path, quick_toy):
+    run = _train(cli, tmp_path, quick_toy, "grpo-ds", "optim.total_steps=2", "method.dynamic_sampling=false",
+                 "optim.schedule=constant", "optim.warmup_steps=0")
+    code, _, err = cli("train", "--resume", str(run), "-o", "optim.lr=5e-4", "-o", "optim.total_steps=4")
+    assert code == 0, err
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["lr"] for r in rows] == [1e-3, 1e-3, 5e-4, 5e-4]  # FAST sets 1e-3; the new lr takes effect
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    assert cfg["optim"]["lr"] == 5e-4 and cfg["optim"]["total_steps"] == 4
+    last = _history(run)[-1]
+    assert last["event"] == "resume" and last["step"] == 2
+    assert last["changed"] == {"optim.lr": [1e-3, 5e-4], "optim.total_steps": [2, 4]}
+
+
+@pytest.mark.parametrize("override,key", [("model.path=toy:tool", "model.path"), ("method.name=grpo", "method.name"),
+                                          ("optim.seed=7", "optim.seed")])
+def test_overrides_that_change_what_the_run_is_are_refused_by_name(cli, tmp_path, quick_toy, override, key):
+    run = _train(cli, tmp_path, quick_toy, "grpo-ds", "optim.total_steps=1", "method.dynamic_sampling=false")
+    before = (run / "config.yaml").read_text()
+    code, _, err = cli("train", "--resume", str(run), "-o", override)
+    assert code == 1 and f"--resume: {key} cannot change on resume" in err
+    assert (run / "config.yaml").read_text() == before
+
+
+def test_verl_refuses_an_lr_change_on_resume(tmp_path):
+    from stare_cli.method_layer import load_recipe
+    from stare_cli.recipes import recipe_to_yaml
+    from stare_cli.errors import StareError
+    from stare_cli.resume import plan_resume
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(recipe_to_yaml(load_recipe("tiny/arith", "grpo-ds", ["backend.name=verl"])))
+    (run / "meta.json").write_text("{}")
+    assert plan_resume(run, ["optim.total_steps=9"]).changed == {"optim.total_steps": [200, 9]}
+    with pytest.raises(StareError, match="optim.lr cannot change on resume .* verl restores the optimizer"):
+        plan_resume(run, ["optim.lr=1e-3"])
+
+
+# ------------------------------------------------------------------------------------ interrupts
+def _spawn_train(out: Path, model: Path, *extra: str) -> subprocess.Popen:
+    args = [sys.executable, "-m", "stare_cli", "train", "--recipe", "tiny/arith", "--method", "grpo-ds",
+            "--out", str(out), "-o", f"model.path={model}"]
+    for o in [*FAST, *extra]:
+        args += ["-o", o]
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _wait_for_rows(out: Path, n: int, timeout: float = 300) -> Path:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for run in out.glob("tiny-arith__*"):
+            m = run / "metrics.jsonl"
+            if m.exists() and len(m.read_text().splitlines()) >= n:
+                return run
+        time.sleep(0.05)
+    raise AssertionError("the run never reached its first steps")
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_checkpoints_at_the_step_boundary_and_says_how_to_resume(tmp_path, quick_toy, sig, code):
+    p = _spawn_train(tmp_path, quick_toy, "optim.total_steps=200", "checkpoint.every=0",
+                     "method.dynamic_sampling=false")
+    run = _wait_for_rows(tmp_path, 1)
+    p.send_signal(sig)
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == code, err
+    n = len(_steps(run))
+    assert f"interrupted at step {n} (checkpoint written); resume with: stare train --resume {run}" in err
+    assert json.loads((run / "checkpoints" / "latest" / "state.json").read_text())["step"] == n
+    assert _steps(run) == list(range(1, n + 1))
+
+
+def test_a_second_signal_stops_at_once_without_a_checkpoint(tmp_path, quick_toy):
+    p = _spawn_train(tmp_path, quick_toy, "optim.total_steps=200", "checkpoint.every=0",
+                     "method.dynamic_sampling=false", "rollout.n=16", "rollout.max_response_tokens=64")
+    run = _wait_for_rows(tmp_path, 1)
+    p.send_signal(signal.SIGINT)
+    time.sleep(0.2)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 130, err
+    assert "SIGINT again during step" in err and "stopped without a checkpoint" in err
+
+
+# ------------------------------------------------------------------- run dirs, caches, durability
+def _make_dir(args) -> str:
+    root, barrier_time = args
+    from stare_cli.method_layer import load_recipe
+    from stare_cli.runs import new_run_dir
+
+    cfg = load_recipe("tiny/arith", "grpo-ds")
+    while time.time() < barrier_time:  # all processes create at the same moment
+        pass
+    return str(new_run_dir(cfg, root))
+
+
+def test_processes_creating_run_dirs_at_once_never_share_one(tmp_path):
+    ctx = mp.get_context("fork")
+    for trial in range(5):
+        with ctx.Pool(6) as pool:
+            dirs = pool.map(_make_dir, [(tmp_path / str(trial), time.time() + 0.5)] * 6)
+        assert len(set(dirs)) == 6, dirs
+
+
+def _build_counting(args) -> bool:
+    path, counter = args
+    from stare_cli.toy import build_once
+
+    def build(tmp: Path) -> None:
+        with open(counter, "a") as f:
+            f.write("x")
+        time.sleep(0.5)  # a slow build: the others arrive while it runs
+        (tmp / "weights").write_text("w")
+
+    return build_once(Path(path), build)
+
+
+def test_toy_cache_is_built_once_by_concurrent_processes(tmp_path):
+    path, counter = tmp_path / "cache" / "toy-x", tmp_path / "count"
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "toy-x.tmp999").mkdir()  # left by a killed builder
+    with mp.get_context("fork").Pool(4) as pool:
+        built = pool.map(_build_counting, [(str(path), str(counter))] * 4)
+    assert sorted(built) == [False, False, False, True] and counter.read_text() == "x"
+    assert (path / "weights").read_text() == "w"
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["toy-x", "toy-x.lock"]
+
+
+def test_checkpoint_files_are_fsynced_before_latest_moves(tmp_path, quick_toy, monkeypatch):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from stare_cli.backends import embedded
+
+    model = AutoModelForCausalLM.from_pretrained(quick_toy)
+    tok = AutoTokenizer.from_pretrained(quick_toy)
+    opt = torch.optim.AdamW(model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                   real_fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", str(b))), real_replace(a, b))[1])
+    (tmp_path / "checkpoints").mkdir()
+    final = embedded.save_checkpoint(tmp_path, 7, model, tok, opt, sched, {"step": 7, "cursor": 0}, keep_last=2)
+    latest_at = events.index(("replace", str(tmp_path / "checkpoints" / "latest")))
+    synced_before = {p for kind, p in events[:latest_at] if kind == "fsync"}
+    tmp = str(tmp_path / "checkpoints" / ".tmp-step-000007")
+    for f in final.rglob("*"):
+        assert str(f).replace(str(final), tmp) in synced_before, f  # every file, and every directory
+    assert tmp in synced_before
+    assert ("fsync", str(tmp_path / "checkpoints")) in events[latest_at:]  # the swap made durable
+
+
+# ------------------------------------------------------------------------------------ bad input
+@pytest.mark.parametrize("args,message", [
+    (["train", "--recipe", "tiny/arith", "-o", "optim.lr"], "override 'optim.lr' is not key.path=value"),
+    (["train"], "stare train needs --recipe"),
+    (["train", "--resume", "x", "--recipe", "tiny/arith"], "--resume continues a run with its own recipe"),
+    (["train", "--recipe", "tiny/arith", "--restart"], "--restart applies to --resume"),
+])
+def test_usage_errors_exit_2(cli, args, message):
+    code, _, err = cli(*args)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_garbage_and_non_utf8_files_are_named(cli, tmp_path, quick_toy):
+    run = _train(cli, tmp_path, quick_toy, "grpo-ds", "optim.total_steps=1", "method.dynamic_sampling=false")
+    rows = (run / "metrics.jsonl").read_text()
+    (run / "metrics.jsonl").write_text("not json\n" + rows)
+    code, _, err = cli("compare", str(run), "--plot", str(tmp_path / "p.png"))
+    assert code == 1 and f"{run / 'metrics.jsonl'}:1: not a JSON object" in err
+    (run / "metrics.jsonl").write_bytes(b"\xff\xfe" + rows.encode())
+    code, _, err = cli("compare", str(run))
+    assert code == 1 and f"{run / 'metrics.jsonl'}: not UTF-8 text" in err
+    bad = tmp_path / "r.yaml"
+    bad.write_bytes(b"optim:\n  lr: \xff\n")
+    code, _, err = cli("recipes", "validate", str(bad))
+    assert code == 1 and "r.yaml" in err and "Traceback" not in err

@@ -1,0 +1,119 @@
+"""`stare sweep` through the real CLI on the quick toy (issue 16): a 2 methods x 2 seeds grid runs
+end to end, is killed with SIGKILL midway, and the same command finishes it with every cell's
+metrics equal to an uninterrupted sweep's, then writes the table and the plot."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import REPO
+from test_embedded import FAST, _rows_without_time
+
+
+def _args(out: Path, model: Path, *extra: str) -> list[str]:
+    args = ["sweep", "--recipe", "tiny/arith", "--method", "grpo-ds", "--method", "stare-o1", "--seed", "1",
+            "--seed", "2", "--parallel", "2", "--out", str(out), "-o", f"model.path={model}"]
+    for o in [*FAST, "optim.total_steps=4", "checkpoint.every=1", "checkpoint.keep_last=1", *extra]:
+        args += ["-o", o]
+    return args
+
+
+def _cells(out: Path) -> dict[str, dict]:
+    return {f"{c['method']}-seed{c['seed']}": c for c in json.loads((out / "sweep.json").read_text())["cells"]}
+
+
+def _procs_with(marker: str) -> list[str]:
+    found = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                if marker in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                    found.append(pid)
+            except OSError:
+                pass
+    return found
+
+
+def test_sweep_killed_midway_finishes_like_an_uninterrupted_one(cli, tmp_path, quick_toy):
+    ref = tmp_path / "ref"
+    code, out, err = cli(*_args(ref, quick_toy))
+    assert code == 0, err
+    rows = [line for line in out.splitlines() if line.startswith(("| GRPO-ds", "| STARE-O1"))]
+    assert len(rows) == 2 and all(r.endswith("| 2 |") for r in rows), out  # one row per method, 2 seeds each
+    assert {c["state"] for c in _cells(ref).values()} == {"done"} and len(_cells(ref)) == 4
+    assert (ref / "table.md").read_text() == out and (ref / "dynamics.png").exists()
+    summary = json.loads((ref / "summary.json").read_text())
+    assert set(summary["methods"]) == {"grpo-ds", "stare-o1"}
+    over = summary["methods"]["stare-o1"]["over_seeds"]["entropy_end"]
+    assert over["n"] == 2 and over["ci95"][0] <= over["mean"] <= over["ci95"][1]
+    log = (ref / "sweep.log").read_text()
+    assert log.count(" done in ") == 4 and "ETA" in log
+
+    # the same sweep in a process of its own, killed with SIGKILL once a cell has checkpointed twice
+    b = tmp_path / "b"
+    p = subprocess.Popen([sys.executable, "-m", "stare_cli", *_args(b, quick_toy)], cwd=REPO,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        rows = [len(m.read_text().splitlines()) for m in b.glob("cells/*/*/metrics.jsonl")]
+        if rows and max(rows) >= 2:
+            break
+        time.sleep(0.05)
+    p.kill()
+    p.wait()
+    time.sleep(1.0)
+    assert not _procs_with(str(b)), "a cell kept training after the sweep was killed"
+    states = {c["state"] for c in _cells(b).values()}
+    assert "running" in states and "done" not in states  # killed midway
+
+    code, out, err = cli(*_args(b, quick_toy))
+    assert code == 0, err
+    for name, cell in _cells(b).items():
+        assert cell["state"] == "done", (name, cell)
+        mine = _rows_without_time(Path(cell["run_dir"]) / "metrics.jsonl")
+        theirs = _rows_without_time(Path(_cells(ref)[name]["run_dir"]) / "metrics.jsonl")
+        assert mine == theirs, name
+    assert (b / "table.md").exists() and (b / "dynamics.png").exists()
+
+    # once more: nothing left to do, nothing redone
+    code, _, err = cli(*_args(b, quick_toy))
+    assert code == 0 and "4 already finished, 0 to run" in err
+
+
+def test_a_failed_cell_does_not_stop_the_others(cli, tmp_path, quick_toy):
+    out = tmp_path / "s"
+    # one cell's run directory is broken before the sweep runs (its resume fails); the rest train
+    bad = out / "cells" / "grpo-ds-seed1" / "broken"
+    bad.mkdir(parents=True)
+    (bad / "meta.json").write_text("{}")
+    (bad / "config.yaml").write_text("optim: [not, a, mapping]\n")
+    code, _, err = cli(*_args(out, quick_toy))
+    assert code == 1 and "1 of 4 cells failed: grpo-ds-seed1" in err
+    cells = _cells(out)
+    assert cells["grpo-ds-seed1"]["state"] == "failed" and cells["grpo-ds-seed1"]["error"]
+    assert all(c["state"] == "done" for n, c in cells.items() if n != "grpo-ds-seed1")
+    assert (out / "table.md").exists()  # the table of the cells that finished
+
+
+def test_a_sweep_directory_keeps_its_settings(cli, tmp_path, quick_toy):
+    out = tmp_path / "s"
+    out.mkdir()
+    settings = {"recipe": "tiny/arith", "overrides": ["optim.lr=1e-4"], "backend": None, "evals": [], "eval_n": None,
+                "eval_limit": None}
+    (out / "sweep.json").write_text(json.dumps({"settings": settings, "cells": []}))
+    code, _, err = cli(*_args(out, quick_toy))
+    assert code == 1 and "holds a sweep with other settings (overrides)" in err
+
+
+def test_sweep_usage_errors(cli, tmp_path):
+    code, _, err = cli("sweep", "--recipe", "tiny/arith", "--method", "grpo-ds", "--seed", "1", "--backend", "verl",
+                       "--parallel", "2", "--out", str(tmp_path / "x"))
+    assert code == 2 and "one after another" in err
+    code, _, err = cli("sweep", "--recipe", "tiny/arith", "--method", "grpo-dz", "--seed", "1")
+    assert code == 1 and "did you mean 'grpo-ds'" in err
