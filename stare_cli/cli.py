@@ -484,17 +484,33 @@ def data_prepare(
 class ToyTask(str, Enum):
     arith = "arith"
     tool = "tool"
+    explore = "explore"
 
 
 @toy_app.command("init")
 def toy_init(
     task: Annotated[ToyTask, typer.Option(help="Which toy.")] = ToyTask.arith,
-    force: Annotated[bool, typer.Option(help="Rebuild even if cached.")] = False,
+    rebuild: Annotated[bool, typer.Option("--rebuild", help="Run the warm-up again (into the cache) instead of "
+                                          "using the shipped weights.")] = False,
+    seed: Annotated[Optional[int], typer.Option(min=0, help="Warm-up seed for --rebuild (default: the shipped one's).")] = None,
+    threads: Annotated[Optional[int], typer.Option(min=1, help="torch threads for --rebuild (default: the current).")] = None,
+    force: Annotated[bool, typer.Option(help="With --rebuild: build again even if cached.")] = False,
+    ship: Annotated[bool, typer.Option("--ship", help="Maintainers: copy the rebuilt warm-up into the package's "
+                                       "assets and print its hash for toy.SHIPPED.")] = False,
 ) -> None:
-    """Build the toy tokenizer and model and run its supervised warm-up (cached)."""
-    from stare_cli.toy import ensure_toy_model
+    """The toy model's directory: the shipped warm-up (hash checked), or a rebuilt one (`--rebuild`)."""
+    from stare_cli import toy
 
-    typer.echo(str(ensure_toy_model(task.value, force=force)))
+    if not rebuild:
+        if seed is not None or threads is not None or force or ship:
+            raise UsageError("--seed, --threads, --force and --ship apply to --rebuild", hint="add --rebuild")
+        typer.echo(str(toy.ensure_toy_model(task.value)))
+        return
+    path = toy.build_toy(task.value, seed=seed, force=force, threads=threads)
+    if ship:
+        dest, digest = toy.ship(task.value, path)
+        print(f"shipped {dest}; set SHIPPED[{task.value!r}] = {digest!r} in stare_cli/toy.py", file=sys.stderr)
+    typer.echo(str(path))
 
 
 @app.command(rich_help_panel="Training")

@@ -63,7 +63,11 @@ class DataConfig(_Strict):
 
 class ToolsConfig(_Strict):
     enable: StrictBool = Field(False, description="Multi-turn rollouts with a Python code-interpreter tool.")
-    format: Literal["markdown", "xml"] = Field("markdown", description="```python ...``` or <code>...</code> blocks.")
+    format: Literal["markdown", "xml", "hermes"] = Field(
+        "markdown", description="Tool-call protocol: ```python ...``` blocks, <code>...</code>, or hermes "
+        "<tool_call>{json}</tool_call> with the chat template's tool turns (the one verl runs; needs a chat template).")
+    system_prompt: Optional[str] = Field(None, description="What tells the model about the tool; None: the protocol's "
+                                         "own (hermes: the chat template's tools section); '': nothing.")
     max_turns: StrictInt = Field(4, ge=1, le=64, description="Tool calls per response at most.")
     cpu_s: StrictInt = Field(5, ge=1, description="CPU seconds per tool call.")
     wall_s: StrictFloat = Field(10.0, gt=0, description="Wall-clock seconds per tool call.")

@@ -62,11 +62,37 @@ def run_demo(out: Path, steps: Optional[int] = None, seeds: list[int] = (1,), me
         table = seeds_table([{"seed": s, "summary": summ[s]} for s in seeds])
         (out / "seeds.md").write_text(table)
         print(table)
+    for line in verdicts(summ, h_tgt):
+        print(line)
     print(f"plots: {', '.join(res.plots)}")
     print(f"runs: {', '.join(c.run_dir for c in res.cells)}")
     print(f"time: {time.time() - t0:.0f} s (sweep directory {out})")
     (out / "demo.json").write_text(json.dumps({str(s): v for s, v in summ.items()}, indent=2))
     return summ
+
+
+# The demo's claims (the paper's Fig. 3 on the toy), each checked per seed from the run's numbers.
+FLAT = 0.01  # |trend| per 100 steps under which the entropy counts as not moving
+BAND = 0.03  # STARE-O1 holds the entropy within this of H_tgt (second-half mean)
+
+
+def verdicts(summ: dict[int, dict[str, dict]], h_tgt: float) -> list[str]:
+    """One line per claim: how many seeds show it, and which."""
+    claims = [
+        ("GRPO-ds: entropy ends below H_tgt and is still falling",
+         lambda s: s["grpo-ds"]["entropy_end"] < h_tgt and s["grpo-ds"]["slope_2nd_half_per_100"] < -FLAT),
+        (f"STARE-O1: entropy held within {BAND} of H_tgt over the second half, not falling",
+         lambda s: abs(s["stare-o1"]["entropy_2nd_half_mean"] - h_tgt) <= BAND
+         and s["stare-o1"]["slope_2nd_half_per_100"] >= -FLAT),
+        ("STARE-O1 ends with more entropy than GRPO-ds",
+         lambda s: s["stare-o1"]["entropy_end"] > s["grpo-ds"]["entropy_end"]),
+    ]
+    out = []
+    seeds = sorted(summ)
+    for text, holds in claims:
+        yes = [s for s in seeds if {"grpo-ds", "stare-o1"} <= set(summ[s]) and holds(summ[s])]
+        out.append(f"verdict: {text}: {len(yes)}/{len(seeds)} seeds" + (f" ({', '.join(map(str, yes))})" if yes else ""))
+    return out
 
 
 def seeds_table(results: list[dict]) -> str:

@@ -331,12 +331,18 @@ def _emit(spec: SweepSpec, out: Path, cells: list[Cell], emit: Path, shared_dir:
 
 
 def _evaluate_cells(spec: SweepSpec, out: Path, done: list[Cell], log: _Log) -> None:
+    """Each final checkpoint on the --eval benchmarks, prompted as it was trained (the recipe's
+    data.template), under each benchmark's protocol unless --eval-n / --eval-limit say otherwise."""
+    import yaml
+
     from benchmarks.evaluate import run_eval
 
     for c in done:
         ckpt = Path(c.run_dir) / "checkpoints" / "latest"
+        template = yaml.safe_load((Path(c.run_dir) / "config.yaml").read_text())["data"]["template"]
         t = time.time()
-        run_eval(str(ckpt), list(spec.evals), n=spec.eval_n, limit=spec.eval_limit)  # keyed: re-runs skip work
+        run_eval(str(ckpt), list(spec.evals), n=spec.eval_n, limit=spec.eval_limit,  # keyed: re-runs skip work
+                 template=template, seed=c.seed)
         log(f"evaluated {c.name} on {', '.join(spec.evals)} in {_fmt_s(time.time() - t)}")
 
 

@@ -7,8 +7,18 @@ then \\boxed{R} and EOS. Each step is off by +-1 or +-2 with probability 0.12 (o
 reward ignores style, so GRPO sharpens onto one way of writing and its token entropy collapses,
 as in the paper's Fig. 3(a). Design and numbers follow ../shared/notes/toy-facts.md.
 
-Everything is built locally: a 35-token word/character tokenizer made with `tokenizers`, a
-Qwen2-style config (~0.8M parameters) and a supervised warm-up, cached under the toy cache dir.
+Task "explore" (same format) adds problems where exploration pays: "hard" ones (a+b >= 20) on which
+the common add-first solutions forget the carry (systematically wrong) and only the subtract-first
+orders, which the demonstrations use on easy problems with more noise, are right. Training draws 10%
+hard problems; the held-out `toy:explore-hard` set is all hard. Sharpening onto add-first, which
+easy problems reward, costs the hard ones.
+
+The warmed-up weights of every task ship with the package (stare_cli/toy_assets/, checked against
+the SHA-256 in SHIPPED): every machine starts from the same model and the demo needs no warm-up.
+`stare toy init --rebuild [--seed N]` runs the warm-up again (with the current torch thread count;
+float summation order makes the weights machine- and thread-dependent) into the cache directory.
+Everything is built locally: a word/character tokenizer made with `tokenizers`, a Qwen2-style
+config (~0.8M parameters) and a supervised warm-up.
 """
 
 from __future__ import annotations
@@ -32,10 +42,15 @@ CLOSINGS = ["so the answer is ", "the answer is ", "thus the result is ", "we ge
 
 TOY_MODEL = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=384, max_position_embeddings=128, tie_word_embeddings=True)
-# Two threads: nothing else runs during the warm-up, and on 2 cores it takes 0.19 s/step instead
-# of 0.32 s/step with one (measured here), which keeps a cold `stare demo` under 10 minutes.
-SFT_THREADS = 2
 TOY_SFT = dict(steps=700, batch=64, lr=3e-3, seed=0)
+ASSETS = Path(__file__).with_name("toy_assets")
+# The shipped warm-ups (made by `stare toy init --rebuild --seed 0 --ship`, two torch threads): the
+# SHA-256 of model.safetensors. A changed file is refused; a new warm-up means a new TOY_VERSION.
+SHIPPED: dict[str, str] = {
+    "arith": "883ec986e9a36ad3b438194510a922fb09367d4874bd399d5306db4cd68470e7",
+    "tool": "d8de5d56d34aecf1ca5fd7f2e98a2d2811c8fe87fa9b38b6e9dc9fab4ac6284f",
+    "explore": "63d62f7ac00251db8574b187cd9fb6cc5525c28a4abae36b31ef37d82ed65527",
+}
 
 
 def cache_root() -> Path:
@@ -75,6 +90,59 @@ def tool_demonstration(p: dict, rng: random.Random) -> list[tuple[str, bool]]:
     return [(f"{a}*{b} = {x}, {x}+{c} = {y}. so the answer is \\boxed{{{y}}}", True)]
 
 
+# ---- the exploration task: easy problems reward add-first solutions; hard ones (a+b >= 20) need
+# the subtract-first orders, since add-first solutions of them forget the carry.
+EXPLORE_MIX = dict(train_hard=0.1, sft_hard=0.3, easy_add_noise=0.05, easy_sub_noise=0.35, hard_carry_slip=0.9,
+                   hard_sub_noise=0.05)
+EXPLORE_SFT = dict(steps=700, batch=64, lr=3e-3, seed=0)
+
+
+def explore_problem(rng: random.Random, hard: bool) -> dict:
+    while True:
+        a, b = rng.randint(1, 15), rng.randint(1, 15)
+        if (a + b >= 20) == hard:
+            break
+    c = rng.randint(1, max(a, b)) if hard else rng.randint(1, a + b)
+    return {"problem": f"Compute {a}+{b}-{c}.", "answer": str(a + b - c), "a": a, "b": b, "c": c, "hard": hard}
+
+
+def explore_problems(n: int, seed: int, hard_share: float) -> list[dict]:
+    rng = random.Random(seed)
+    return [explore_problem(rng, rng.random() < hard_share) for _ in range(n)]
+
+
+def explore_demonstration(p: dict, rng: random.Random) -> str:
+    """Like `demonstration`, with the explore task's accuracy per order and problem kind."""
+    a, b, c, hard = p["a"], p["b"], p["c"], p["hard"]
+    m = EXPLORE_MIX
+    orders = [("+", a, b, "-", c), ("+", b, a, "-", c)]
+    if a >= c:
+        orders.append(("-", a, c, "+", b))
+    if b >= c:
+        orders.append(("-", b, c, "+", a))
+    op1, x, y, op2, z = rng.choice(orders)
+
+    def noisy(v: int, p_noise: float) -> int:
+        return v + rng.choice([-2, -1, 1, 2]) if rng.random() < p_noise else v
+
+    if op1 == "+":
+        r1 = x + y
+        if hard and rng.random() < m["hard_carry_slip"]:
+            r1 -= 10  # the forgotten carry
+        elif not hard:
+            r1 = noisy(r1, m["easy_add_noise"])
+    else:
+        r1 = noisy(x - y, m["hard_sub_noise"] if hard else m["easy_sub_noise"])
+    r2 = r1 + z if op2 == "+" else r1 - z
+
+    def sp() -> str:
+        return " " if rng.random() < 0.5 else ""
+
+    step1 = f"{x}{sp()}{op1}{sp()}{y}{sp()}={sp()}{r1}"
+    step2 = f"{r1}{sp()}{op2}{sp()}{z}{sp()}={sp()}{r2}"
+    return f"{rng.choice(OPENINGS)}{step1}{rng.choice(CONNECTIVES)}{step2}. {rng.choice(CLOSINGS)}\\boxed{{{r2}}}"
+
+
 def problem(rng: random.Random) -> dict:
     a, b = rng.randint(1, 15), rng.randint(1, 15)
     c = rng.randint(1, a + b)
@@ -110,6 +178,24 @@ def demonstration(p: dict, rng: random.Random) -> str:
     return f"{rng.choice(OPENINGS)}{step1}{rng.choice(CONNECTIVES)}{step2}. {rng.choice(CLOSINGS)}\\boxed{{{r2}}}"
 
 
+def train_problems(task: str, n: int, seed: int = 1000) -> list[dict]:
+    """The training prompts of a toy task ({'problem', 'answer'}; the explore task's mix of kinds)."""
+    check_task(task)
+    rows = {"arith": lambda: problems(n, seed), "tool": lambda: tool_problems(n, seed),
+            "explore": lambda: explore_problems(n, seed, EXPLORE_MIX["train_hard"])}[task]()
+    return [{"problem": r["problem"], "answer": r["answer"]} for r in rows]
+
+
+EVAL_SETS = {"toy:arith": lambda n, seed: problems(n, seed), "toy:tool": lambda n, seed: tool_problems(n, seed),
+             "toy:explore": lambda n, seed: explore_problems(n, seed, 0.0),
+             "toy:explore-hard": lambda n, seed: explore_problems(n, seed, 1.0)}
+
+
+def eval_problems(bench: str, n: int, seed: int = 999_999) -> list[dict]:
+    """A toy benchmark's held-out problems (a seed disjoint from training)."""
+    return [{"problem": r["problem"], "answer": r["answer"]} for r in EVAL_SETS[bench](n, seed)]
+
+
 def build_tokenizer(task: str = "arith"):
     """A word/character-level fast tokenizer, wrapped for transformers."""
     import re
@@ -117,7 +203,7 @@ def build_tokenizer(task: str = "arith"):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    words, chars = (WORDS, CHARS) if task == "arith" else (TOOL_WORDS, TOOL_CHARS)
+    words, chars = (TOOL_WORDS, TOOL_CHARS) if task == "tool" else (WORDS, CHARS)
     vocab = {t: i for i, t in enumerate(SPECIALS + words + chars)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     pattern = "|".join(re.escape(w) for w in sorted(words, key=len, reverse=True)) + "|."
@@ -152,18 +238,36 @@ def build_model(vocab_size: int, seed: int = 0):
     return Qwen2ForCausalLM(cfg)
 
 
-def toy_key(task: str = "arith") -> str:
-    if task == "arith":
-        blob = json.dumps({"v": TOY_VERSION, "model": TOY_MODEL, "sft": TOY_SFT, "words": WORDS, "chars": CHARS,
-                           "threads": SFT_THREADS})
-    else:
-        blob = json.dumps({"v": TOY_VERSION, "task": task, "model": TOY_MODEL, "sft": TOOL_SFT, "words": TOOL_WORDS,
-                           "chars": TOOL_CHARS, "mix": TOOL_MIX, "threads": SFT_THREADS})
-    return hashlib.sha256(blob.encode()).hexdigest()[:10]
+TASKS = ("arith", "tool", "explore")
 
 
-def toy_dir(task: str = "arith") -> Path:
-    return cache_root() / "toy" / f"{task}-{toy_key(task)}"
+def task_sft(task: str) -> dict:
+    return {"arith": TOY_SFT, "tool": TOOL_SFT, "explore": EXPLORE_SFT}[task]
+
+
+def check_task(task: str) -> str:
+    if task not in TASKS:
+        from stare_cli.errors import StareError, did_you_mean
+
+        raise StareError(f"unknown toy task '{task}'{did_you_mean(task, TASKS)}", hint="toy tasks: " + ", ".join(TASKS))
+    return task
+
+
+def toy_key(task: str = "arith", seed: Optional[int] = None) -> str:
+    """What a warm-up of `task` depends on (the thread count aside): data, model, schedule, seed."""
+    blob = {"v": TOY_VERSION, "task": task, "model": TOY_MODEL, "sft": {**task_sft(task), **({"seed": seed} if seed is not None else {})}}
+    blob.update({"words": TOOL_WORDS, "chars": TOOL_CHARS, "mix": TOOL_MIX} if task == "tool" else
+                {"words": WORDS, "chars": CHARS, **({"mix": EXPLORE_MIX} if task == "explore" else {})})
+    return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:10]
+
+
+def toy_dir(task: str = "arith", seed: Optional[int] = None) -> Path:
+    """Where a rebuilt warm-up of `task` (with warm-up `seed`) is cached."""
+    return cache_root() / "toy" / f"{task}-{toy_key(task, seed)}"
+
+
+def shipped_dir(task: str) -> Path:
+    return ASSETS / f"{task}-v{TOY_VERSION}"
 
 
 def make_random_init(path: Path, seed: int = 0) -> Path:
@@ -190,12 +294,19 @@ def sft(model, tok, steps: int, batch: int, lr: float, seed: int, log_every: int
     for step in range(steps):
         ids, labels = [], []
         for _ in range(batch):
-            p = problem(rng) if task == "arith" else tool_problem(rng)
+            if task == "arith":
+                p = problem(rng)
+            elif task == "tool":
+                p = tool_problem(rng)
+            else:
+                p = explore_problem(rng, rng.random() < EXPLORE_MIX["sft_hard"])
             prompt = tok(p["problem"] + "\n", add_special_tokens=False)["input_ids"]
             if task == "arith":
                 parts = [(demonstration(p, rng), True)]
-            else:
+            elif task == "tool":
                 parts = tool_demonstration(p, rng)
+            else:
+                parts = [(explore_demonstration(p, rng), True)]
             resp, lab = [], []
             for text, trained in parts:
                 t = tok(text, add_special_tokens=False)["input_ids"]
@@ -220,43 +331,81 @@ def sft(model, tok, steps: int, batch: int, lr: float, seed: int, log_every: int
     model.eval()
 
 
-def ensure_toy_model(task: str = "arith", force: bool = False) -> Path:
-    """The warmed-up toy model directory, built on first use (atomic: a crash leaves no half model).
+_VERIFIED: set[str] = set()
 
-    The warm-up always runs with SFT_THREADS torch threads, whoever asks for the model first (the
-    demo, `stare train`, `stare toy init`): the float summation order, and so the weights, depend
-    on the thread count, and the cache key promises one model."""
-    if task not in ("arith", "tool"):
-        from stare_cli.errors import StareError
 
-        raise StareError(f"unknown toy task '{task}'", hint="toy tasks: 'toy:arith', 'toy:tool'")
-    path = toy_dir(task)
+def ensure_toy_model(task: str = "arith") -> Path:
+    """The warmed-up toy model of `task`: the shipped one (its hash checked once per process), or,
+    for a task that ships none, the warm-up built once on first use into the cache."""
+    check_task(task)
+    if task in SHIPPED:
+        path = shipped_dir(task)
+        if task not in _VERIFIED:
+            got = _sha256(path / "model.safetensors") if (path / "model.safetensors").exists() else "missing"
+            if got != SHIPPED[task]:
+                from stare_cli.errors import StareError
+
+                raise StareError(f"the shipped toy model {path / 'model.safetensors'} is {got[:12]}, not the "
+                                 f"released {SHIPPED[task][:12]}", hint="reinstall stare, or `stare toy init --rebuild`")
+            _VERIFIED.add(task)
+        return path
+    return build_toy(task)
+
+
+def build_toy(task: str, seed: Optional[int] = None, force: bool = False, threads: Optional[int] = None,
+              out: Optional[Path] = None, steps: Optional[int] = None) -> Path:
+    """Run the supervised warm-up of `task` (warm-up seed `seed`, default the task's; `steps` only
+    for tests) with `threads` torch threads (default: the current setting) into `out` (default: the
+    cache), once."""
+    check_task(task)
+    path = out or toy_dir(task, seed)
     if path.exists() and not force:
         add_chat_template(path)
         return path
+    conf = {**task_sft(task), **({"seed": seed} if seed is not None else {}), **({"steps": steps} if steps else {})}
 
     def build(tmp: Path) -> None:
         import torch
 
-        prev_threads = torch.get_num_threads()
-        torch.set_num_threads(SFT_THREADS)
+        prev = torch.get_num_threads()
+        if threads:
+            torch.set_num_threads(threads)
+        used = torch.get_num_threads()
         tok = build_tokenizer(task)
-        conf = TOY_SFT if task == "arith" else TOOL_SFT
         model = build_model(len(tok), conf["seed"])
         n = sum(p.numel() for p in model.parameters())
-        print(f"building the toy model ({n / 1e6:.2f}M parameters) and warming it up; cached in {path}", flush=True)
+        print(f"building the {task} toy ({n / 1e6:.2f}M parameters, warm-up seed {conf['seed']}, {used} threads) "
+              f"into {path}", flush=True)
         try:
             sft(model, tok, conf["steps"], conf["batch"], conf["lr"], conf["seed"], task=task)
         finally:
-            torch.set_num_threads(prev_threads)
+            torch.set_num_threads(prev)
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-        (tmp / "toy.json").write_text(json.dumps({"task": task, "version": TOY_VERSION, "key": toy_key(task),
-                                                  "sft": conf, "threads": SFT_THREADS}))
+        (tmp / "toy.json").write_text(json.dumps({"task": task, "version": TOY_VERSION, "key": toy_key(task, seed),
+                                                  "sft": conf, "threads": used}))
 
     build_once(path, build, force)
     add_chat_template(path)
     return path
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def ship(task: str, source: Path) -> tuple[Path, str]:
+    """Copy a built warm-up into the package's assets (maintainers); returns its dir and hash, which
+    go into SHIPPED."""
+    dest = shipped_dir(task)
+    if dest.exists():
+        shutil.rmtree(dest)
+    shutil.copytree(source, dest)
+    return dest, _sha256(dest / "model.safetensors")
 
 
 def build_once(path: Path, build: Callable[[Path], None], force: bool = False) -> bool:

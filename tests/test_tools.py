@@ -124,3 +124,78 @@ def test_tiny_tool_recipe_trains_through_the_cli(cli, tmp_path):
     assert sum(r["tools/calls_per_response"] for r in rows) > 0
     assert all(r["tools/error_rate"] < 0.5 for r in rows if r["tools/calls_per_response"] > 0)
     assert "eval/toy:tool/acc" in rows[-1]
+
+
+# ---------------------------------------------------------------------------------------- hermes
+# A Qwen2.5-style chat template (its tools section and tool turns, shortened): what a hermes model has.
+QWEN_LIKE = (
+    "{%- if tools %}<|im_start|>system\n{% if messages[0].role == 'system' %}{{ messages[0].content }}{% else %}"
+    "You are a helpful assistant.{% endif %}\n\n# Tools\n\nYou are provided with function signatures within "
+    "<tools></tools> XML tags:\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
+    "XML tags.<|im_end|>\n"
+    "{%- else %}<|im_start|>system\n{% if messages[0].role == 'system' %}{{ messages[0].content }}{% else %}"
+    "You are a helpful assistant.{% endif %}<|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}{% if m.role == 'user' %}<|im_start|>user\n{{ m.content }}<|im_end|>\n"
+    "{% elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
+    "{% elif m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _qwen_like_tokenizer():
+    from stare_cli.toy import build_tokenizer
+
+    tok = build_tokenizer()
+    tok.chat_template = QWEN_LIKE
+    tok.eos_token = "<eos>"
+    return tok
+
+
+def test_hermes_calls_are_parsed_and_malformed_ones_named():
+    from benchmarks.tools import InvalidCall
+
+    call = '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(6*7)"}}\n</tool_call>'
+    assert find_call("Let me compute.\n" + call, "hermes") == "print(6*7)"
+    as_string = '<tool_call>{"name": "code_interpreter", "arguments": "{\\"code\\": \\"x=1\\"}"}</tool_call>'
+    assert find_call(as_string, "hermes") == "x=1"  # arguments as a JSON string, as some models write them
+    assert find_call('<tool_call>{"name": "code_interpreter"', "hermes") is None  # not closed yet
+    for bad in ('<tool_call>print(1)</tool_call>', '<tool_call>{"name": "search", "arguments": {"q": 1}}</tool_call>'):
+        try:
+            find_call(bad, "hermes")
+            raise AssertionError("not refused: " + bad)
+        except InvalidCall as e:
+            assert "code_interpreter" in str(e)
+
+
+def test_hermes_rollout_appends_the_chat_templates_tool_turn_and_answers_bad_calls_without_running():
+    tok = _qwen_like_tokenizer()
+    ok = '<tool_call>{"name": "code_interpreter", "arguments": {"code": "print(6*7)"}}</tool_call>'
+    turn, _ = _scripted([(ok, False), ("<tool_call>not json</tool_call>", False), ("The answer is 42.", True)])
+    spec = ToolSpec(format="hermes", limits=Limits(cpu_s=2, wall_s=5))
+    (tr,) = multiturn([enc("Q\n")], 2000, spec, turn, enc, dec, seed=0, tokenizer=tok)
+    text = dec(tr.response_ids)
+    first_obs = "<eos>\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert ok + first_obs in text  # the assistant turn closed, the template's tool turn, the next header
+    assert "<tool_response>\nerror: not a code_interpreter call" in text
+    assert (tr.calls, tr.errors, tr.finished) == (2, 1, True)
+    masked = dec([t for t, m in zip(tr.response_ids, tr.loss_mask) if m == 0])
+    assert masked.startswith("<eos>\n<|im_start|>user\n<tool_response>\n42")  # observations: loss-mask 0
+
+
+def test_hermes_prompt_is_the_chat_templates_tools_section_as_verl_renders_it():
+    from benchmarks.templates import build_prompt
+    from benchmarks.tools import SCHEMA
+
+    tok = _qwen_like_tokenizer()
+    spec = ToolSpec(format="hermes")
+    ours = build_prompt("What is 6*7?", "paper", tok, True, spec)
+    # verl's tool agent loop: apply_chat_template(messages, tools=[schema of our verl tool], add_generation_prompt)
+    from stare_cli.backends import verl_tools  # noqa: F401 - verl is installed in the test environment
+
+    theirs = tok.apply_chat_template([{"role": "user", "content": "What is 6*7?\nPlease reason step by step, and put "
+                                       "your final answer within \\boxed{}."}], tools=[verl_tools.SCHEMA],
+                                     tokenize=False, add_generation_prompt=True)
+    assert ours == theirs and '"name": "code_interpreter"' in ours and verl_tools.SCHEMA is SCHEMA
+    md = build_prompt("What is 6*7?", "paper", tok, True, ToolSpec(format="markdown"))
+    assert "write it in a ```python ... ``` block" in md and "<tools>" not in md  # the other protocols: a system turn

@@ -52,7 +52,7 @@ def test_table_covers_every_recipe_key_exactly_once():
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_every_scenario_and_method_composes_or_is_refused_by_name(scenario, capsys):
-    expected = {"long-cot/r1-distill-qwen-1.5b": "data.template", "tool-use/qwen2.5-7b": "rollout.tools.format"}
+    expected = {"long-cot/r1-distill-qwen-1.5b": "data.template"}  # tool-use: hermes, which verl's tool agent runs
     for method in METHODS:
         cfg = load_recipe(scenario, method, PER_GROUP)
         refused = [k for k, _ in refusals(cfg)]
@@ -296,7 +296,11 @@ def test_tool_config_loads_through_verls_loader_and_runs_our_sandbox(tmp_path):
     from verl.tools.tool_registry import initialize_tools_from_config
 
     cfg = load_recipe("tool-use/qwen2.5-7b", "stare-o1", PER_GROUP)
-    assert [k for k, _ in refusals(cfg)] == ["rollout.tools.format"]  # markdown blocks: refused on verl
+    assert refusals(cfg) == []  # hermes: the protocol verl's tool agent parses
+    md = load_recipe("tool-use/qwen2.5-7b", "stare-o1", [*PER_GROUP, "rollout.tools.format=markdown"])
+    assert [k for k, _ in refusals(md)] == ["rollout.tools.format"]  # markdown blocks: refused by name on verl
+    sp = load_recipe("tool-use/qwen2.5-7b", "stare-o1", [*PER_GROUP, "rollout.tools.system_prompt=Use Python."])
+    assert [k for k, _ in refusals(sp)] == ["rollout.tools.system_prompt"]
     from stare_cli.backends.embedded import tool_limits
 
     (tmp_path / "tools.yaml").write_text(yaml.safe_dump(tool_config(tool_limits(cfg.rollout.tools))))

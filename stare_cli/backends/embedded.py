@@ -58,13 +58,12 @@ def load_prompts(cfg: Recipe) -> list[dict]:
     """Training rows {'problem', 'answer'} from a toy task, a local file or a hub dataset."""
     src = cfg.data.train
     if src.startswith("toy:"):
-        from stare_cli.toy import problems, tool_problems
+        from stare_cli.toy import train_problems
 
-        gen = {"toy:arith": problems, "toy:tool": tool_problems}.get(src)
-        if gen is None:
-            raise StareError(f"data.train: unknown toy task '{src}'", hint="toy:arith or toy:tool")
-        rows = gen(cfg.data.max_samples or 20000, seed=1000)
-        return [{"problem": r["problem"], "answer": r["answer"]} for r in rows]
+        try:
+            return train_problems(src.split(":", 1)[1], cfg.data.max_samples or 20000)
+        except StareError as e:
+            raise StareError(f"data.train: {e}") from None
     path = Path(src)
     try:
         import datasets
@@ -319,8 +318,6 @@ def refusals(cfg: Recipe) -> list[tuple[str, str]]:
     """What the embedded backend cannot honour (stare_cli/backends/__init__.py): it runs every key
     of the recipe except the verl section (backend.verl.*), which configures the other backend."""
     out = []
-    if cfg.rollout.tools.enable and cfg.rollout.engine == "vllm":
-        out.append(("rollout.engine", "tool use runs on the hf rollout engine (rollout.tools.enable is on)"))
     if cfg.optim.precision == "fp16" and cfg.backend.embedded.device == "cpu":
         out.append(("optim.precision", "fp16 needs a CUDA device (backend.embedded.device is cpu)"))
     return out
@@ -382,7 +379,7 @@ def collect_rollouts(layer, engine, rows: list[dict], cursor: int, step: int, cf
         k = (O.train_batch_size - len({d.group for d in kept}) if per_group
              else R.gen_batch_size if ds else O.train_batch_size)
         batch_rows, cursor = take_prompts(rows, cursor, k, O.seed, cfg.data.shuffle)
-        prompts = [build_prompt(r["problem"], cfg.data.template.value, tok, use_chat) for r in batch_rows]
+        prompts = [build_prompt(r["problem"], cfg.data.template.value, tok, use_chat, tools) for r in batch_rows]
         sp = SamplingParams(n=R.n, temperature=R.temperature, top_p=R.top_p, top_k=R.top_k,
                             max_new_tokens=R.max_response_tokens, seed=O.seed * 1_000_003 + step * 101 + n_draws)
         t0 = time.perf_counter()
@@ -424,6 +421,32 @@ def collect_rollouts(layer, engine, rows: list[dict], cursor: int, step: int, cf
                         "tools/error_rate": sum(s.tool_errors for s in samples) / max(calls, 1),
                         "tools/turns": sum(s.turns for s in samples) / len(samples)})
     return StepRollouts(kept, metrics, t_gen, t_score, O.train_batch_size), cursor
+
+
+def rollout_mismatch(rollout_logprobs: list, trainer_logp, mask) -> dict:
+    """How far the rollout engine's token log-probs are from the trainer's recomputation on the same
+    tokens (same weights: numerics, kernels, dtype, top-p truncation). rollout_logprobs: per sample
+    a list (or None); trainer_logp, mask: [B, T]. Tokens without a rollout log-prob (tool
+    observations, engines that give none) are left out. Returns rollout/* metrics ({} when none):
+    lp_abs_diff_mean / _max over tokens, kl_k3 (the k3 estimate of KL(rollout || trainer) on the
+    sampled tokens: mean of exp(d) - 1 - d, d = trainer - rollout), and surprisal_gap (the
+    rollout's mean surprisal minus the trainer's: the entropy estimate's mismatch)."""
+    import torch
+
+    B, T = trainer_logp.shape
+    ro = torch.full((B, T), float("nan"))
+    for i, lps in enumerate(rollout_logprobs):
+        if lps:
+            n = min(len(lps), T)
+            ro[i, :n] = torch.tensor(lps[:n], dtype=torch.float32)
+    ok = (mask.cpu() > 0) & torch.isfinite(ro)
+    if not bool(ok.any()):
+        return {}
+    r, t = ro[ok], trainer_logp.detach().float().cpu()[ok]
+    d = t - r
+    return {"rollout/lp_abs_diff_mean": float(d.abs().mean()), "rollout/lp_abs_diff_max": float(d.abs().max()),
+            "rollout/kl_k3": float((d.exp() - 1 - d).mean()), "rollout/surprisal_gap": float((-r).mean() - (-t).mean()),
+            "rollout/tokens_compared": int(ok.sum())}
 
 
 def old_logprobs_and_entropy(model, batch: dict, parts: list[list[int]], temperature: float, autocast, buckets: bool):
@@ -500,10 +523,8 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume: Optional["ResumePl
         from stare_cli.sandbox import require_isolation
 
         require_isolation(tool_limits(R.tools))
-    use_vllm = R.engine == "vllm" or (R.engine == "auto" and device.type == "cuda" and not R.tools.enable
+    use_vllm = R.engine == "vllm" or (R.engine == "auto" and device.type == "cuda"
                                       and importlib.util.find_spec("vllm") is not None)
-    if use_vllm and R.tools.enable:
-        raise StareError("rollout.engine vllm: tool use runs on the hf engine", hint="-o rollout.engine=hf")
     if use_vllm:
         try:  # before loading the model: fail fast
             import vllm  # noqa: F401
@@ -642,6 +663,7 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume: Optional["ResumePl
                 resp_mask = batch["response_mask"]
                 H = float((entropy * resp_mask).sum() / resp_mask.sum().clamp(min=1))
                 metrics["entropy"] = H
+                metrics.update(rollout_mismatch([s.logprobs for s in samples], old_logp, resp_mask))
 
                 # ---- 5. controller (once per step) and the batch transform (method layer)
                 stare_state, m = layer.begin_step(H)
@@ -732,7 +754,7 @@ def _tool_spec(cfg: Recipe):
         return None
     from benchmarks.tools import ToolSpec
 
-    return ToolSpec(format=t.format, max_turns=t.max_turns, limits=tool_limits(t))
+    return ToolSpec(format=t.format, max_turns=t.max_turns, limits=tool_limits(t), system_prompt=t.system_prompt)
 
 
 def tool_limits(t) -> "Limits":

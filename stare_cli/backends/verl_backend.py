@@ -207,15 +207,19 @@ TABLE: list[Row] = [
         "the embedded backend's rollout engine (verl: vLLM, or the HF server with --device cpu)",
         refuse=_unless_default("rollout.engine", "rollout.vllm_gpu_memory_utilization",
                                why="the embedded backend's rollout engine settings; verl's are backend.verl.*")),
-    Row(("rollout.tools.enable", "rollout.tools.format", "rollout.tools.max_turns", "rollout.tools.cpu_s",
+    Row(("rollout.tools.enable", "rollout.tools.format", "rollout.tools.system_prompt", "rollout.tools.max_turns",
+         "rollout.tools.cpu_s",
          "rollout.tools.wall_s", "rollout.tools.memory_mb", "rollout.tools.output_bytes", "rollout.tools.file_mb",
          "rollout.tools.nproc", "rollout.tools.python", "rollout.tools.unsafe_no_isolation"), "verl",
         "verl's tool agent with our sandbox (tools.yaml in the run directory)",
         lambda c: {f"{R_}.multi_turn.enable": True, f"{R_}.multi_turn.max_assistant_turns": c.rollout.tools.max_turns + 1,
                    f"{R_}.multi_turn.max_tool_response_length": c.rollout.tools.output_bytes,
                    f"{R_}.agent.default_agent_loop": "tool_agent"} if c.rollout.tools.enable else {},
-        lambda c: ("rollout.tools.format", f"verl's tool agent parses hermes <tool_call> JSON, not the recipe's "
-                   f"{c.rollout.tools.format} blocks") if c.rollout.tools.enable else None),
+        lambda c: (("rollout.tools.format", f"verl's tool agent parses hermes <tool_call> JSON, not the recipe's "
+                    f"{c.rollout.tools.format} blocks (rollout.tools.format: hermes runs on both backends)")
+                   if c.rollout.tools.enable and c.rollout.tools.format != "hermes" else
+                   ("rollout.tools.system_prompt", "verl's tool agent describes the tool through the chat template's "
+                    "tools section only") if c.rollout.tools.enable and c.rollout.tools.system_prompt else None)),
     # optimisation
     Row(("optim.lr",), "verl", "", lambda c: {f"{A}.optim.lr": c.optim.lr}),
     Row(("optim.schedule", "optim.warmup_steps"), "verl", "",
