@@ -196,6 +196,23 @@ def _eos_list(tok_eos: Optional[int], extra) -> list[int]:
     return ids
 
 
+def tool_rollouts(tok, prompt_ids: Sequence[list[int]], sp: SamplingParams, spec, turn) -> list[list[Sample]]:
+    """n multi-turn tool rollouts per prompt (benchmarks.tools.multiturn) with an engine's `turn`."""
+    from benchmarks.tools import multiturn
+
+    flat = [ids for ids in prompt_ids for _ in range(sp.n)]
+    traces = multiturn(flat, sp.max_new_tokens, spec, turn,
+                       encode=lambda t: tok(t, add_special_tokens=False)["input_ids"],
+                       decode=lambda ids: tok.decode(ids, skip_special_tokens=True), seed=sp.seed, tokenizer=tok)
+    out: list[list[Sample]] = [[] for _ in prompt_ids]
+    for k, (ids, tr) in enumerate(zip(flat, traces)):
+        out[k // sp.n].append(Sample(
+            text=tok.decode(tr.response_ids, skip_special_tokens=True), response_ids=tr.response_ids,
+            prompt_ids=list(ids), finished=tr.finished, loss_mask=tr.loss_mask, tool_calls=tr.calls,
+            tool_errors=tr.errors, turns=tr.turns))
+    return out
+
+
 class HFEngine:
     """Batched sampling with transformers' generate and left padding."""
 
@@ -272,8 +289,6 @@ class HFEngine:
         import torch
         from transformers import GenerationConfig, StoppingCriteriaList
 
-        from benchmarks.tools import multiturn
-
         eos_ids = self.eos_ids()
         tok = self.tok
 
@@ -315,18 +330,7 @@ class HFEngine:
                         out.append((row[:budget], False))
             return out
 
-        flat = [ids for ids in prompt_ids for _ in range(sp.n)]
-        traces = multiturn(flat, sp.max_new_tokens, spec, turn,
-                           encode=lambda t: self.tok(t, add_special_tokens=False)["input_ids"],
-                           decode=lambda ids: self.tok.decode(ids, skip_special_tokens=True), seed=sp.seed,
-                           tokenizer=self.tok)
-        out: list[list[Sample]] = [[] for _ in prompt_ids]
-        for k, (ids, tr) in enumerate(zip(flat, traces)):
-            out[k // sp.n].append(Sample(
-                text=self.tok.decode(tr.response_ids, skip_special_tokens=True), response_ids=tr.response_ids,
-                prompt_ids=list(ids), finished=tr.finished, loss_mask=tr.loss_mask, tool_calls=tr.calls,
-                tool_errors=tr.errors, turns=tr.turns))
-        return out
+        return tool_rollouts(self.tok, prompt_ids, sp, spec, turn)
 
 
 class VLLMEngine:
@@ -447,7 +451,7 @@ class VLLMEngine:
         EOS, the token budget, or the first closed code block: vLLM's stop strings cannot tell a
         markdown block's closing fence from its opening one, so each turn is cut after the first
         token at which the text ends with a closed block (the rest of that sample is discarded)."""
-        from benchmarks.tools import InvalidCall, find_call, multiturn
+        from benchmarks.tools import InvalidCall, find_call
 
         def closed(ids: list[int]) -> bool:
             try:
@@ -471,18 +475,7 @@ class VLLMEngine:
                 out.append((resp, eos_end))
             return out
 
-        flat = [ids for ids in prompt_ids for _ in range(sp.n)]
-        traces = multiturn(flat, sp.max_new_tokens, spec, turn,
-                           encode=lambda t: self.tok(t, add_special_tokens=False)["input_ids"],
-                           decode=lambda ids: self.tok.decode(ids, skip_special_tokens=True), seed=sp.seed,
-                           tokenizer=self.tok)
-        out: list[list[Sample]] = [[] for _ in prompt_ids]
-        for k, (ids, tr) in enumerate(zip(flat, traces)):
-            out[k // sp.n].append(Sample(
-                text=self.tok.decode(tr.response_ids, skip_special_tokens=True), response_ids=tr.response_ids,
-                prompt_ids=list(ids), finished=tr.finished, loss_mask=tr.loss_mask, tool_calls=tr.calls,
-                tool_errors=tr.errors, turns=tr.turns))
-        return out
+        return tool_rollouts(self.tok, prompt_ids, sp, spec, turn)
 
 
 class OpenAIEngine:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from stare_cli.config import Recipe
 from stare_cli.errors import StareError
+from stare_cli.runs import make_unique_dir
 
 FIXED_ON_RESUME = ("name", "model.", "data.", "method.name", "optim.seed", "backend.name")
 VERL_FIXED_ON_RESUME = ("optim.",)
@@ -83,16 +84,7 @@ def plan_resume(run_dir: Path, overrides: list[str], restart: bool = False) -> R
 def set_aside(run_dir: Path, names: tuple[str, ...] = ("metrics.jsonl", "train.log", "verl.log", "checkpoints",
                                                      "samples", "eval")) -> Path:
     """--restart: move a run's earlier outputs to restarts/<time>/ (renames; nothing is deleted)."""
-    base = run_dir / "restarts" / time.strftime("%Y%m%d-%H%M%S")
-    base.parent.mkdir(exist_ok=True)
-    i = 1
-    while True:
-        dest = base if i == 1 else base.with_name(f"{base.name}-{i}")
-        try:
-            dest.mkdir()
-            break
-        except FileExistsError:
-            i += 1
+    dest = make_unique_dir(run_dir / "restarts" / time.strftime("%Y%m%d-%H%M%S"))
     for name in names:
         if (run_dir / name).exists() or (run_dir / name).is_symlink():
             shutil.move(str(run_dir / name), dest / name)

@@ -41,19 +41,23 @@ def run_name(recipe: Recipe, now: float | None = None) -> str:
 def new_run_dir(recipe: Recipe, root: str | Path = "runs") -> Path:
     """Create a fresh run directory. `mkdir` either creates the directory or fails, so two processes
     starting in the same second never share one: the loser takes the next suffix (-2, -3, ...)."""
-    base = Path(root) / run_name(recipe)
+    path = make_unique_dir(Path(root) / run_name(recipe))
+    for sub in ("checkpoints", "samples", "eval"):
+        (path / sub).mkdir()
+    return path
+
+
+def make_unique_dir(base: Path) -> Path:
+    """Create `base`, or `base-2`, `base-3`, ... (the first that does not exist), atomically."""
     base.parent.mkdir(parents=True, exist_ok=True)
     i = 1
     while True:
         path = base if i == 1 else base.with_name(f"{base.name}-{i}")
         try:
             path.mkdir()
-            break
+            return path
         except FileExistsError:
             i += 1
-    for sub in ("checkpoints", "samples", "eval"):
-        (path / sub).mkdir()
-    return path
 
 
 def fsync_tree(root: Path) -> None:

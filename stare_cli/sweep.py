@@ -417,5 +417,55 @@ def _report(spec: SweepSpec, out: Path, done: list[Cell], paper: Optional[str]) 
         per_method.setdefault(c.method, {"seeds": {}})["seeds"][c.seed] = s
     for m, d in per_method.items():
         d["over_seeds"] = seeds_summary(list(d["seeds"].values()))
-    atomic_write_text(out / "summary.json", json.dumps({"settings": spec.settings(), "methods": per_method}, indent=2))
+        d["evaluations"] = eval_summary([Path(c.run_dir) for c in done if c.method == m])
+    summary = {"settings": spec.settings(), "methods": per_method}
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
+    atomic_write_text(out / "report.md", report_markdown(summary))
     return md, plots
+
+
+def eval_summary(runs: list[Path]) -> dict:
+    """Evaluation metrics of a method's runs (seeds), per benchmark and protocol: every results.json
+    under run/eval (the in-training ones per step, and final ones such as `--eval`), each metric's
+    mean, std and 95% interval over seeds. Keys: '<bench> n=<N> step=<S>'."""
+    per: dict[str, list[dict]] = {}
+    for run in runs:
+        for f in sorted((run / "eval").rglob("results.json")):
+            try:
+                res = json.loads(f.read_text())
+            except (OSError, ValueError):
+                continue
+            step = next((x.name.split("-")[1].lstrip("0") or "0" for x in f.parents if x.name.startswith("step-")), "?")
+            key = f"{res['benchmark']} n={res['metrics']['n']} step={step}"
+            per.setdefault(key, []).append({k: v for k, v in res["metrics"].items() if k.startswith(("avg@", "pass@", "maj@"))})
+    def order(key: str) -> tuple:
+        bench, n, step = key.split()
+        return bench, int(n[2:]), int(step[5:]) if step[5:].isdigit() else 1 << 30
+
+    return {k: seeds_summary(per[k]) for k in sorted(per, key=order)}
+
+
+def report_markdown(summary: dict) -> str:
+    """summary.json as tables: the Fig. 3 numbers, then each evaluation's pass@k over seeds."""
+    lines = [f"# Sweep report: {summary['settings']['recipe']}", "",
+             "Mean ± std over seeds [95% bootstrap interval]; n = seeds.", ""]
+    methods = summary["methods"]
+    keys = ("entropy_start", "entropy_end", "entropy_2nd_half_mean", "slope_2nd_half_per_100", "train_reward_last")
+    lines += ["| method | n | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
+    for m, d in methods.items():
+        o = d["over_seeds"]
+        cells = [f"{o[k]['mean']:.3f} ± {o[k]['std']:.3f} [{o[k]['ci95'][0]:.3f}, {o[k]['ci95'][1]:.3f}]" if k in o else "–"
+                 for k in keys]
+        lines.append(f"| {m} | {len(d['seeds'])} | " + " | ".join(cells) + " |")
+    evals = list(dict.fromkeys(k for d in methods.values() for k in d.get("evaluations", {})))
+    for key in evals:
+        metrics = sorted({x for d in methods.values() for x in d["evaluations"].get(key, {})},
+                         key=lambda x: (x.split("@")[0], int(x.split("@")[1])))
+        metrics = [x for x in metrics if not x.startswith("maj@")]
+        lines += ["", f"## {key}", "", "| method | " + " | ".join(metrics) + " |", "|---|" + "---|" * len(metrics)]
+        for m, d in methods.items():
+            e = d["evaluations"].get(key, {})
+            lines.append(f"| {m} | " + " | ".join(
+                f"{e[x]['mean']:.1f} ± {e[x]['std']:.1f} [{e[x]['ci95'][0]:.1f}, {e[x]['ci95'][1]:.1f}]" if x in e else "–"
+                for x in metrics) + " |")
+    return "\n".join(lines) + "\n"

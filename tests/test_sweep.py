@@ -52,6 +52,9 @@ def test_sweep_killed_midway_finishes_like_an_uninterrupted_one(cli, tmp_path, q
     assert set(summary["methods"]) == {"grpo-ds", "stare-o1"}
     over = summary["methods"]["stare-o1"]["over_seeds"]["entropy_end"]
     assert over["n"] == 2 and over["ci95"][0] <= over["mean"] <= over["ci95"][1]
+    report = (ref / "report.md").read_text()  # the dynamics over seeds, then every evaluation over seeds
+    assert "| stare-o1 | 2 |" in report and "## toy:arith n=1 step=4" in report
+    assert summary["methods"]["grpo-ds"]["evaluations"]["toy:arith n=1 step=4"]["avg@1"]["n"] == 2
     log = (ref / "sweep.log").read_text()
     assert log.count(" done in ") == 4 and "ETA" in log
 
