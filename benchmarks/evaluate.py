@@ -27,7 +27,7 @@ from typing import Optional
 from benchmarks.engines import SamplingParams
 from benchmarks.grading import Grader, judge
 from benchmarks.metrics import REFLECTION_WORDS, benchmark_metrics, reflection_rate
-from benchmarks.registry import BENCHMARKS, load_benchmark
+from benchmarks.registry import BENCHMARKS, dir_name, load_benchmark
 from benchmarks.templates import build_prompt
 from stare_cli.errors import StareError
 from stare_cli.runs import atomic_write_text, environment_summary, read_jsonl
@@ -307,7 +307,7 @@ def run_eval(model: str, benches: list[str], engine_name: str = "auto", n: Optio
                                  temperature=spec.temperature if temperature is None else temperature,
                                  top_p=spec.top_p if top_p is None else top_p, max_tokens=max_tokens or spec.max_tokens,
                                  seed=seed, engine=engine_name, limit=limit, tools=tools)
-                results[b] = evaluate_benchmark(engine, tok, s, out / b, grading, data_file=data_file, progress=prog,
+                results[b] = evaluate_benchmark(engine, tok, s, out / dir_name(b), grading, data_file=data_file, progress=prog,
                                                 tools=tool_spec, rows=data[b])
                 if not console.is_terminal:
                     m = results[b]["metrics"]

@@ -67,6 +67,11 @@ BENCHMARKS: dict[str, BenchmarkSpec] = {
 }
 
 
+def dir_name(name: str) -> str:
+    """A benchmark's folder under an evaluation directory: the name with ':' and '/' as '-' (portable)."""
+    return name.replace(":", "-").replace("/", "-")
+
+
 def check_benchmark(name: str) -> BenchmarkSpec:
     if name not in BENCHMARKS:
         raise StareError(f"unknown benchmark '{name}'{did_you_mean(name, BENCHMARKS)}; valid: {', '.join(BENCHMARKS)}, paper")

@@ -513,6 +513,18 @@ def toy_init(
     typer.echo(str(path))
 
 
+@toy_app.command("strategies")
+def toy_strategies(
+    sweep_dir: Annotated[Path, typer.Argument(help="A sweep directory of the explore toy (`stare sweep --recipe tiny/explore`).")],
+    bench: Annotated[str, typer.Option(help="Which evaluation's samples.")] = "toy:explore-hard",
+) -> None:
+    """The explore toy's exploration measure: how often each method's samples take the rare
+    (subtract-first) order that hard problems need, and the accuracy within each order, over seeds."""
+    from stare_cli.toy import strategy_table
+
+    typer.echo(strategy_table(sweep_dir, bench), nl=False)
+
+
 @app.command(rich_help_panel="Training")
 def sweep(
     recipe: Annotated[str, typer.Option("--recipe", "-r", help="Recipe name or YAML path (one for every cell).")],
@@ -554,11 +566,15 @@ def demo(
     out: Annotated[Path, typer.Option(help="The demo's sweep directory.")] = Path("runs/demo"),
     steps: Annotated[Optional[int], typer.Option(min=1, help="Training steps per method.")] = None,
     seed: Annotated[Optional[list[int]], typer.Option(min=0, help="Seed shared by both methods; repeat for several.")] = None,
+    override: OverrideOpt = None,
+    parallel: Annotated[int, typer.Option(min=1, help="Cells at once (one torch thread each).")] = 2,
 ) -> None:
-    """The main job on CPU: GRPO-ds vs STARE-O1 on the toy (a preset of `stare sweep`), then the table and plot."""
+    """The main job on CPU: GRPO-ds vs STARE-O1 on the toy (a preset of `stare sweep`), then the table and plot.
+
+    `-o model.path=DIR` runs it from a rebuilt warm-up (`stare toy init --rebuild --seed N` prints DIR)."""
     from stare_cli.demo import run_demo
 
-    run_demo(out=out, steps=steps, seeds=seed or [1])
+    run_demo(out=out, steps=steps, seeds=seed or [1], overrides=list(override or []), parallel=parallel)
 
 
 # ------------------------------------------------------------------------------------------ main

@@ -17,13 +17,14 @@ import statistics
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import yaml
 
 from benchmarks.registry import BENCHMARKS, PAPER_ORDER
 from stare_cli.errors import StareError
 from stare_cli.runs import read_jsonl
+from stare_cli.plots import save_figure
 
 PAPER_MODELS = {
     "short-cot/qwen2.5-math-7b": ("short-cot", "Qwen2.5-Math-7B"),
@@ -426,6 +427,47 @@ def legend_labels(results: list[Result]) -> list[str]:
     return [f"{v} {Path(r.source).name}" if first.count(v) > 1 else v for v, r in zip(first, results)]
 
 
+@dataclass
+class PassKCurve:
+    """pass@k against k for one legend entry: one run, or the mean over a label's seeds with a 95%
+    bootstrap interval (lo/hi empty for a single run)."""
+
+    ks: list[int]
+    mean: list[float]
+    lo: list[float] = field(default_factory=list)
+    hi: list[float] = field(default_factory=list)
+
+
+def passk_groups(results: list[Result]) -> Callable[[str], dict[str, PassKCurve]]:
+    """For a benchmark, the curves to draw: the seeds of one label (several runs with distinct
+    seeds) become one mean curve with an interval; everything else one curve per run."""
+    from benchmarks.metrics import bootstrap_ci
+
+    labels = dict(zip(map(id, results), legend_labels(results)))
+    by_label: dict[str, list[Result]] = {}
+    for r in results:
+        by_label.setdefault(r.label, []).append(r)
+
+    def curves(bench: str) -> dict[str, PassKCurve]:
+        out: dict[str, PassKCurve] = {}
+        for label, rs in by_label.items():
+            rs = [r for r in rs if r.metrics.get(bench)]
+            seeds = {r.seed for r in rs}
+            ks_of = [sorted(int(k.split("@")[1]) for k in r.metrics[bench] if k.startswith("pass@")) for r in rs]
+            if len(rs) > 1 and len(seeds) == len(rs) and all(ks == ks_of[0] for ks in ks_of):
+                ks = ks_of[0]
+                vals = [[r.metrics[bench][f"pass@{k}"] for r in rs] for k in ks]
+                cis = [bootstrap_ci(v) for v in vals]
+                out[f"{_title(label)} ({len(rs)} seeds, mean, 95% CI)"] = PassKCurve(
+                    ks, [sum(v) / len(v) for v in vals], [c[0] for c in cis], [c[1] for c in cis])
+            else:
+                for r, ks in zip(rs, ks_of):
+                    out[labels[id(r)]] = PassKCurve(ks, [r.metrics[bench][f"pass@{k}"] for k in ks])
+        return out
+
+    return curves
+
+
 def passk_plot(results: list[Result], out_dir: Path) -> list[Path]:
     import matplotlib
 
@@ -436,25 +478,17 @@ def passk_plot(results: list[Result], out_dir: Path) -> list[Path]:
     benches = [b for b in PAPER_ORDER if b in present] + sorted(present - set(PAPER_ORDER))
     if not benches:
         return []
-    labels = dict(zip(map(id, results), legend_labels(results)))
+    groups = passk_groups(results)
     fig, axes = plt.subplots(1, len(benches), figsize=(3.6 * len(benches), 3.2), squeeze=False)
     for ax, b in zip(axes[0], benches):
-        for r in results:
-            m = r.metrics.get(b)
-            if not m:
-                continue
-            ks = sorted(int(k.split("@")[1]) for k in m if k.startswith("pass@"))
-            ax.plot(ks, [m[f"pass@{k}"] for k in ks], marker="o", label=labels[id(r)])
+        for name, curve in groups(b).items():
+            line, = ax.plot(curve.ks, curve.mean, marker="o", markersize=3 if curve.lo else 5, label=name)
+            if curve.lo:
+                ax.fill_between(curve.ks, curve.lo, curve.hi, color=line.get_color(), alpha=0.2, linewidth=0)
         ax.set_xscale("log", base=2)
         ax.set_title(BENCHMARKS[b].title)
         ax.set_xlabel("k")
         ax.set_ylabel("pass@k (%)")
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = [out_dir / "passk.png", out_dir / "passk.svg"]
-    for p in paths:
-        fig.savefig(p, dpi=120)
-    plt.close(fig)
-    return paths
+    return save_figure(fig, out_dir / "passk")

@@ -13,6 +13,19 @@ PANELS = [
 ]
 
 
+def save_figure(fig, out_base: Path) -> list[Path]:
+    """Write a matplotlib figure as out_base.png and out_base.svg (tight layout), close it; the paths."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    out_base.parent.mkdir(parents=True, exist_ok=True)
+    paths = [out_base.with_suffix(".png"), out_base.with_suffix(".svg")]
+    for p in paths:
+        fig.savefig(p, dpi=120)
+    plt.close(fig)
+    return paths
+
+
 def smooth(values: list[float], window: int) -> list[float]:
     """Trailing moving average (window >= 1); the first points average what exists."""
     out, acc = [], 0.0
@@ -71,10 +84,45 @@ def plot_dynamics(runs: dict[str, list[list[dict]]], out_base: Path, h_tgt: Opti
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    out_base.parent.mkdir(parents=True, exist_ok=True)
-    paths = [out_base.with_suffix(".png"), out_base.with_suffix(".svg")]
-    for p in paths:
-        fig.savefig(p, dpi=120)
-    plt.close(fig)
-    return paths
+    return save_figure(fig, out_base)
+
+
+def plot_evals_over_training(evaluations: dict[str, dict[str, dict]], out_base: Path) -> list[Path]:
+    """pass@1 and pass@N against the training step, per benchmark and method: the mean over seeds
+    with its 95% interval shaded. `evaluations` maps a method to `sweep.eval_summary`'s output
+    ('<bench> n=<N> step=<S>' -> metric -> {'mean', 'ci95'}). Only protocols evaluated at two or
+    more steps are drawn; returns [] when there are none."""
+    series: dict[tuple[str, int], dict[str, dict[int, dict]]] = {}  # (bench, n) -> method -> step -> metrics
+    for method, per_key in evaluations.items():
+        for key, metrics in per_key.items():
+            bench, n, step = key.split()
+            if step[5:].isdigit():
+                series.setdefault((bench, int(n[2:])), {}).setdefault(method, {})[int(step[5:])] = metrics
+    series = {k: v for k, v in series.items() if any(len(steps) > 1 for steps in v.values())}
+    if not series:
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(series), figsize=(4.4 * len(series), 3.4), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, ((bench, n), methods) in zip(axes[0], sorted(series.items())):
+        for ci, (method, steps) in enumerate(methods.items()):
+            xs = sorted(steps)
+            for metric, style in (("pass@1", "-"), (f"pass@{n}", "--")):
+                pts = [(x, steps[x][metric]) for x in xs if metric in steps[x]]
+                if not pts or (metric != "pass@1" and n == 1):
+                    continue
+                px = [x for x, _ in pts]
+                ax.plot(px, [m["mean"] for _, m in pts], style, marker="o", markersize=3,
+                        color=colors[ci % len(colors)], label=f"{method} {metric}")
+                ax.fill_between(px, [m["ci95"][0] for _, m in pts], [m["ci95"][1] for _, m in pts],
+                                color=colors[ci % len(colors)], alpha=0.15, linewidth=0)
+        ax.set_title(f"{bench} (n={n})")
+        ax.set_xlabel("step")
+        ax.set_ylabel("%")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    return save_figure(fig, out_base)

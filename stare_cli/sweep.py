@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Optional, TextIO
 
 from stare_cli.errors import Interrupted, StareError, UsageError
+from stare_cli.plots import plot_evals_over_training
 from stare_cli.runs import atomic_write_text, read_jsonl, run_finished
 
 MANIFEST = "sweep.json"
@@ -374,8 +375,17 @@ def dynamics_summary(rows: list[dict], h_tgt: float) -> dict:
         "gate_on_share": sum(r.get("stare/gate", 0.0) for r in train) / len(train),
         "eval_acc": acc,
         "train_reward_last": sum(r["reward"] for r in train[-10:]) / len(train[-10:]),
+        **_tail_mean(train, "len/mean", "len_end"),
+        **_tail_mean(train, "reflection_rate", "reflection_rate_end"),
         "h_tgt": h_tgt,
     }
+
+
+def _tail_mean(rows: list[dict], key: str, name: str) -> dict:
+    """{name: mean of `key` over the last fifth of the rows (at least 5)}, or {} when never logged."""
+    vals = [r[key] for r in rows if r.get(key) is not None]
+    tail = vals[-max(5, len(vals) // 5):]
+    return {name: sum(tail) / len(tail)} if tail else {}
 
 
 def seeds_summary(per_seed: list[dict]) -> dict:
@@ -421,6 +431,8 @@ def _report(spec: SweepSpec, out: Path, done: list[Cell], paper: Optional[str]) 
     summary = {"settings": spec.settings(), "methods": per_method}
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
     atomic_write_text(out / "report.md", report_markdown(summary))
+    plots += [str(p) for p in plot_evals_over_training(
+        {m: d["evaluations"] for m, d in per_method.items()}, out / "passk_over_training")]
     return md, plots
 
 
@@ -430,14 +442,22 @@ def eval_summary(runs: list[Path]) -> dict:
     mean, std and 95% interval over seeds. Keys: '<bench> n=<N> step=<S>'."""
     per: dict[str, list[dict]] = {}
     for run in runs:
-        for f in sorted((run / "eval").rglob("results.json")):
+        mine: dict[str, dict] = {}  # one entry per key and run (the newest, should settings differ only in limit)
+        for latest in sorted((run / "eval").rglob("results.json")):
+            # every setting evaluated into this folder (results/<key>-<grader>.json), under the latest grader
             try:
-                res = json.loads(f.read_text())
-            except (OSError, ValueError):
+                grader = json.loads(latest.read_text())["grader"].split("@")[0]
+                files = [f for f in (latest.parent / "results").glob("*.json") if f.name.split("-", 1)[-1] == f"{grader}.json"]
+                found = [json.loads(f.read_text()) for f in sorted(files, key=lambda f: f.stat().st_mtime)]
+            except (OSError, ValueError, KeyError):
                 continue
-            step = next((x.name.split("-")[1].lstrip("0") or "0" for x in f.parents if x.name.startswith("step-")), "?")
-            key = f"{res['benchmark']} n={res['metrics']['n']} step={step}"
-            per.setdefault(key, []).append({k: v for k, v in res["metrics"].items() if k.startswith(("avg@", "pass@", "maj@"))})
+            step = next((x.name.split("-")[1].lstrip("0") or "0" for x in latest.parents if x.name.startswith("step-")), "?")
+            for res in found:
+                key = f"{res['benchmark']} n={res['metrics']['n']} step={step}"
+                mine[key] = {k: v for k, v in res["metrics"].items() if k.startswith(("avg@", "pass@", "maj@"))}
+        for key, metrics in mine.items():
+            per.setdefault(key, []).append(metrics)
+
     def order(key: str) -> tuple:
         bench, n, step = key.split()
         return bench, int(n[2:]), int(step[5:]) if step[5:].isdigit() else 1 << 30
@@ -450,7 +470,8 @@ def report_markdown(summary: dict) -> str:
     lines = [f"# Sweep report: {summary['settings']['recipe']}", "",
              "Mean ± std over seeds [95% bootstrap interval]; n = seeds.", ""]
     methods = summary["methods"]
-    keys = ("entropy_start", "entropy_end", "entropy_2nd_half_mean", "slope_2nd_half_per_100", "train_reward_last")
+    keys = ("entropy_start", "entropy_end", "entropy_2nd_half_mean", "slope_2nd_half_per_100", "train_reward_last",
+            "len_end", "reflection_rate_end")
     lines += ["| method | n | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
     for m, d in methods.items():
         o = d["over_seeds"]

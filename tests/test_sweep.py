@@ -120,3 +120,62 @@ def test_sweep_usage_errors(cli, tmp_path):
     assert code == 2 and "one after another" in err
     code, _, err = cli("sweep", "--recipe", "tiny/arith", "--method", "grpo-dz", "--seed", "1")
     assert code == 1 and "did you mean 'grpo-ds'" in err
+
+
+def _setting(folder: Path, key: str, n: int, limit: int, avg: float, grader: str = "math-verify") -> None:
+    (folder / "results").mkdir(parents=True, exist_ok=True)
+    res = {"benchmark": "toy:arith", "key": key, "grader": f"{grader}@3", "protocol": {"n": n},
+           "settings": {"n": n, "limit": limit}, "metrics": {"n": n, f"avg@{n}": avg, "pass@1": avg}}
+    (folder / "results" / f"{key}-{grader}.json").write_text(json.dumps(res))
+    (folder / "results.json").write_text(json.dumps(res))
+
+
+def test_eval_summary_reads_every_setting_of_a_folder_once_per_run(tmp_path):
+    """An in-training evaluation (n=2) and a final one (n=4) land in one folder as two settings; both
+    count. The same protocol evaluated twice (another limit) counts once per run: n stays the seeds."""
+    from stare_cli.sweep import eval_summary
+
+    runs = []
+    for seed, (a, b) in enumerate([(10.0, 20.0), (30.0, 40.0)], start=1):
+        run = tmp_path / f"run{seed}"
+        folder = run / "eval" / "step-000004" / "toy-arith"
+        _setting(folder, "aaaa", 2, 8, a)
+        _setting(folder, "bbbb", 4, 8, b)
+        os.utime(folder / "results" / "bbbb-math-verify.json", (1, 1))  # older than cccc below
+        _setting(folder, "cccc", 4, 16, b + 1)  # n=4 again with another limit: the newest wins
+        _setting(folder, "dddd", 4, 8, 99.0, grader="stare-official")  # another grader's file: not the latest
+        (folder / "results.json").write_text((folder / "results" / "cccc-math-verify.json").read_text())
+        runs.append(run)
+    s = eval_summary(runs)
+    assert list(s) == ["toy:arith n=2 step=4", "toy:arith n=4 step=4"]
+    assert s["toy:arith n=2 step=4"]["avg@2"]["mean"] == 20.0  # (10 + 30) / 2
+    assert s["toy:arith n=4 step=4"]["avg@4"]["n"] == 2  # one per run, not 2 per run
+    assert s["toy:arith n=4 step=4"]["avg@4"]["mean"] == 31.0  # (21 + 41) / 2: the newest of each run
+
+
+def test_pass_at_k_over_training_is_drawn_only_with_two_steps(tmp_path):
+    from stare_cli.plots import plot_evals_over_training
+
+    one = {"m": {"toy:arith n=4 step=10": {"pass@1": {"mean": 1.0, "ci95": [0.5, 1.5]}}}}
+    assert plot_evals_over_training(one, tmp_path / "x") == []
+    two = {"m": {"toy:arith n=4 step=10": {"pass@1": {"mean": 1.0, "ci95": [0.5, 1.5]}, "pass@4": {"mean": 3.0, "ci95": [2.0, 4.0]}},
+                 "toy:arith n=4 step=20": {"pass@1": {"mean": 2.0, "ci95": [1.5, 2.5]}, "pass@4": {"mean": 4.0, "ci95": [3.0, 5.0]}}}}
+    paths = plot_evals_over_training(two, tmp_path / "x")
+    assert [p.name for p in paths] == ["x.png", "x.svg"] and all(p.stat().st_size > 0 for p in paths)
+
+
+def test_demo_runs_from_another_warm_up_and_prints_its_verdicts(cli, tmp_path, quick_toy):
+    """`stare demo -o model.path=DIR` (how the README's rebuilt-warm-up claims are measured): the
+    cells train from DIR, the table, verdicts and demo.json come out."""
+    args = ["demo", "--out", str(tmp_path / "demo"), "--steps", "3", "--seed", "1", "--parallel", "2",
+            "-o", f"model.path={quick_toy}"]
+    for o in FAST:
+        args += ["-o", o]
+    code, out, err = cli(*args)
+    assert code == 0, err
+    assert out.count("verdict: ") == 3 and out.count("/1 seeds") == 3
+    summ = json.loads((tmp_path / "demo" / "demo.json").read_text())
+    assert set(summ["1"]) == {"grpo-ds", "stare-o1"} and summ["1"]["grpo-ds"]["steps"] == 3
+    for cell in _cells(tmp_path / "demo").values():
+        cfg = (Path(cell["run_dir"]) / "config.yaml").read_text()
+        assert f"path: {quick_toy}" in cfg

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -76,3 +77,45 @@ def test_demo_verdicts_count_seeds_per_claim():
     assert lines[0] == "verdict: GRPO-ds: entropy ends below H_tgt and is still falling: 1/2 seeds (1)"
     assert lines[1].endswith("not falling: 1/2 seeds (1)")  # seed 2: -0.02 per 100 steps is falling
     assert lines[2] == "verdict: STARE-O1 ends with more entropy than GRPO-ds: 1/2 seeds (1)"
+
+
+def test_explore_strategy_reads_the_first_step():
+    assert toy.explore_strategy("first 11+12=23, then 23-4=19. \\boxed{19}") == "add-first"
+    assert toy.explore_strategy("we get 12 - 4 = 8 and 8 +11 =19. \\boxed{19}") == "sub-first"
+    assert toy.explore_strategy("\\boxed{19}") is None  # no step written
+    rows = [{"response": "12-4=8, 8+11=19", "correct": True}, {"response": "12-4=9, 9+11=20", "correct": False},
+            {"response": "11+12=13, 13-4=9", "correct": False}, {"response": "\\boxed{1}", "correct": False}]
+    s = toy.strategy_share(rows)
+    # 2 of 4 subtract first (1 of them right), 1 of 4 adds first (wrong), 1 writes no step
+    assert (s.samples, s.sub_first, s.add_first, s.acc_sub_first, s.acc_add_first) == (4, 0.5, 0.25, 0.5, 0.0)
+    assert toy.strategy_share(rows[3:]).acc_sub_first is None
+
+
+def _sweep_with_strategies(root: Path, shares: dict[tuple[str, int], tuple[int, int]]) -> Path:
+    """A sweep manifest whose cells each hold one final explore-hard evaluation: (sub-first, add-first)
+    sample counts per (method, seed), every sub-first sample right, every add-first one wrong."""
+    cells = []
+    for (method, seed), (sub, add) in shares.items():
+        run = root / f"{method}-{seed}"
+        folder = run / "eval" / "step-000200" / "toy-explore-hard"
+        (folder / "results").mkdir(parents=True)
+        key = f"k{seed:04d}"
+        (folder / "results" / f"{key}-math-verify.json").write_text(json.dumps({"key": key, "protocol": {"n": 4}}))
+        rows = [{"key": key, "response": "12-4=8, 8+11=19", "correct": True}] * sub + \
+               [{"key": key, "response": "12+11=13, 13-4=9", "correct": False}] * add + \
+               [{"key": "other", "response": "12-4=8", "correct": True}] * 3  # another setting's rows: not counted
+        (folder / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        cells.append({"method": method, "seed": seed, "run_dir": str(run), "state": "done"})
+    (root / "sweep.json").write_text(json.dumps({"cells": cells}))
+    return root
+
+
+def test_strategy_table_over_seeds(tmp_path, cli):
+    sweep = _sweep_with_strategies(tmp_path, {("grpo-ds", 1): (1, 3), ("grpo-ds", 2): (3, 1), ("stare-o1", 1): (2, 2)})
+    code, out, err = cli("toy", "strategies", str(sweep))
+    assert code == 0, err
+    # grpo-ds: sub-first shares 1/4 and 3/4 -> mean 50.0, sample std 35.4; stare-o1: 2/4 = 50.0 over 1 seed
+    assert "| grpo-ds | step-000200 n=4 | 2 | 50.0 ± 35.4" in out
+    assert "| stare-o1 | step-000200 n=4 | 1 | 50.0 ± 0.0 [50.0, 50.0] | 100.0" in out
+    code, _, err = cli("toy", "strategies", str(tmp_path / "nowhere"))
+    assert code == 1 and "not a sweep manifest" in err

@@ -118,7 +118,7 @@ def test_stare_eval_with_the_vllm_engine(cli, tmp_path, toy):
     code, out, err = cli("eval", "--bench", "toy:arith", "--model", str(toy), "--engine", "vllm", "-n", "4",
                          "--limit", "8", "--out", str(tmp_path / "ev"), "--json")
     assert code == 0, err
-    res = json.loads((tmp_path / "ev" / "toy:arith" / "results.json").read_text())
+    res = json.loads((tmp_path / "ev" / "toy-arith" / "results.json").read_text())
     assert res["settings"]["engine"] == "vllm" and res["metrics"]["n"] == 4 and res["metrics"]["problems"] == 8
 
 

@@ -45,6 +45,7 @@ from typing import Any, Optional
 from stare_cli.config import Recipe
 from stare_cli.errors import StareError
 from benchmarks.metrics import reflection_rate
+from benchmarks.registry import dir_name
 from stare_cli.resume import ResumePlan, no_checkpoint_error, set_aside
 from stare_cli.signals import StopAtStepBoundary
 from stare_cli.runs import (STATE as RUN_STATE, append_jsonl, atomic_write_text, checkpoint_steps, clean_stale_temporaries,
@@ -792,7 +793,7 @@ def _evaluate(engine, eval_grader, cfg: Recipe, tok, use_chat, step: int, run_di
                          top_p=spec.top_p if E.top_p is None else E.top_p,
                          max_tokens=E.max_tokens or cfg.rollout.max_response_tokens, seed=cfg.optim.seed,
                          engine=engine.name, limit=E.limit)
-        res = evaluate_benchmark(engine, tok, s, run_dir / "eval" / f"step-{step:06d}" / bench.replace(":", "-"),
+        res = evaluate_benchmark(engine, tok, s, run_dir / "eval" / f"step-{step:06d}" / dir_name(bench),
                                  eval_grader, use_chat_template=use_chat, tools=tools,
                                  reflection_words=cfg.logging.reflection_words)
         m = res["metrics"]

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from stare_cli.config import Recipe
 from stare_cli.errors import StareError
+from benchmarks.registry import dir_name
 
 if TYPE_CHECKING:
     from stare_cli.resume import ResumePlan
@@ -384,7 +385,7 @@ def verl_overrides(cfg: Recipe, run_dir: Optional[Path] = None, data_dir: Option
 
 def bench_file(bench: str) -> str:
     """Parquet file name of a benchmark (`toy:arith` -> toy-arith.parquet)."""
-    return bench.replace(":", "-").replace("/", "-") + ".parquet"
+    return dir_name(bench) + ".parquet"
 
 
 def compose(overrides: list[str]):
