@@ -39,6 +39,7 @@ import random
 import shutil
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -640,7 +641,9 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume: Optional["ResumePl
             if not ro.kept:  # every group was all-equal: nothing to learn; samples/eval/checkpoint still run
                 metrics.update({"lr": sched.get_last_lr()[0], "skipped": 1})
                 step += 1
-                sched.step()
+                with warnings.catch_warnings():  # the schedule counts steps, taken or skipped (torch warns
+                    warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
+                    sched.step()  # when a skip comes before the first optimizer step)
             else:
                 samples = [d.sample for d in ro.kept]
                 batch = pack(samples, tok.pad_token_id, device)
