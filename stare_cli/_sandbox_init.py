@@ -115,13 +115,15 @@ def _build_root(cfg: dict) -> None:
         f.write("sandbox:x:0:\n")
     with open(root + "/etc/hosts", "w") as f:
         f.write("127.0.0.1 localhost\n")
-    for path, fd, is_dir in cfg["binds"]:
-        _bind_ro(path, root, fd, is_dir)
+    # The private writable directories first, the read-only binds on top: an interpreter that lives
+    # under /tmp (a virtual environment in a clone there) stays visible inside.
     for d, mode in (("/tmp", "1777"), ("/home/sandbox", "700"), ("/dev", "755")):
         os.makedirs(root + d, exist_ok=True)
         size = "64k" if d == "/dev" else f"{mb}m"
         _mount("tmpfs", root + d, "tmpfs", MS_NOSUID | MS_NODEV * (d != "/dev"), f"size={size},mode={mode}",
                what=f"tmpfs {d}")
+    for path, fd, is_dir in cfg["binds"]:
+        _bind_ro(path, root, fd, is_dir)
     for dev in DEVICES:
         open(f"{root}/dev/{dev}", "a").close()
         _mount(f"/dev/{dev}", f"{root}/dev/{dev}", None, MS_BIND, what=f"bind /dev/{dev}")

@@ -125,9 +125,10 @@ def test_nothing_is_written_on_the_host():
     assert o.status == "ok", o.output
     for d in targets:
         assert not os.path.exists(os.path.join(d, marker)), d
-    # writes that did succeed went to the call's private tmpfs (/tmp, ...), gone with it
-    assert all(line.split()[1] in ("/tmp", "/dev/shm", "/var/tmp") or line.startswith("refused")
-               for line in o.text().splitlines()), o.output
+    # writes that did succeed went to the call's private tmpfs (/tmp and below it, ...), gone with it
+    # (a checkout under /tmp: its interpreter is bound read-only inside the private /tmp)
+    assert all(line.split()[1] in ("/tmp", "/dev/shm", "/var/tmp") or line.split()[1].startswith("/tmp/")
+               or line.startswith("refused") for line in o.text().splitlines()), o.output
 
 
 def test_parent_environment_is_not_visible(monkeypatch):
@@ -359,3 +360,26 @@ def test_escape_probes_as_an_unprivileged_caller(tmp_path):
     assert res["env"] is False and res["pids"] <= 3 and res["uid"] == 0
     for d in ("/tmp", "/var/tmp", "/run/lock", "/dev/shm", str(tmp_path)):
         assert not os.path.exists(os.path.join(d, marker)), d
+
+
+def test_an_interpreter_under_tmp_is_visible_and_read_only(tmp_path):
+    """A checkout (and its virtual environment) under /tmp: the private /tmp must not hide the
+    interpreter, which stays read-only inside. A venv made here points at this interpreter."""
+    import subprocess
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)], check=True)
+    py = str(venv / "bin" / "python")
+    o = run_python(textwrap.dedent(f"""
+        import os, sys
+        print(sys.prefix)
+        try:
+            open(os.path.join(sys.prefix, "probe"), "w")
+            print("wrote")
+        except OSError as e:
+            print("refused", type(e).__name__)
+    """), Limits(cpu_s=2, wall_s=6, memory_mb=256, output_bytes=4096, python=py))
+    assert o.status == "ok", o.output
+    assert o.text().splitlines() == [str(venv), "refused OSError"], o.output
+    assert not (venv / "probe").exists()
+
