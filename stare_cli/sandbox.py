@@ -181,10 +181,13 @@ def require_isolation(limits: Limits) -> str:
         return "none"
     problem = isolation_problem(limits.python)
     if problem:
+        namespaces = any(w in problem for w in ("unshare", "uid_map", "gid_map", "setgroups", "Operation not permitted"))
+        fix = ("allow unprivileged user namespaces (sysctl user.max_user_namespaces > 0, "
+               "kernel.unprivileged_userns_clone=1, or AppArmor's userns restriction off)" if namespaces else
+               "the namespaces were created but the sandbox's root could not be built: check the path named above "
+               "(rollout.tools.python picks another interpreter)")
         raise StareError(f"the tool sandbox cannot isolate calls on this machine ({problem})",
-                         hint="allow unprivileged user namespaces (sysctl user.max_user_namespaces > 0, "
-                              "kernel.unprivileged_userns_clone=1, or AppArmor's userns restriction off), or, for "
-                              "code you trust only, rollout.tools.unsafe_no_isolation=true")
+                         hint=f"{fix}, or, for code you trust only, rollout.tools.unsafe_no_isolation=true")
     missing = interpreter_info(limits.python)["missing"]
     if missing:
         print(f"warning: the sandbox interpreter lacks {', '.join(missing)}; set rollout.tools.python",

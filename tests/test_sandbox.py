@@ -306,6 +306,12 @@ def test_without_isolation_nothing_runs_and_training_refuses(cli, tmp_path, monk
         sandbox.require_isolation(L)
     code, _, err = cli("train", "--recipe", "tiny/tool", "-o", "optim.total_steps=1")
     assert code == 1 and "the tool sandbox cannot isolate calls" in err and "unsafe_no_isolation" in err
+    assert "allow unprivileged user namespaces" in err  # the hint fits the cause
+    # namespaces were made but the root could not be built: the hint names the path, not the sysctl
+    monkeypatch.setitem(sandbox._PROBLEM, None, "sandbox setup failed: [Errno 2] No such file or directory: '/x/python'")
+    with pytest.raises(StareError, match="root could not be built") as e:
+        sandbox.require_isolation(L)
+    assert "user namespaces" not in e.value.hint
 
 
 def test_the_opt_out_is_explicit_and_loud(tmp_path, monkeypatch, capsys):
