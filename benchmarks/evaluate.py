@@ -218,6 +218,17 @@ def regrade(folder: Path, grader_name: str = "math-verify", workers: Optional[in
     return out
 
 
+def latest_grader_results(bench_dir: Path) -> list[dict]:
+    """Every setting evaluated into `bench_dir`, as its results/<key>-<grader>.json under the grader
+    of the latest results.json, oldest first ([] when the folder holds no readable results)."""
+    try:
+        grader = json.loads((bench_dir / "results.json").read_text())["grader"].split("@")[0]
+        files = [f for f in (bench_dir / "results").glob("*.json") if f.name.split("-", 1)[-1] == f"{grader}.json"]
+        return [json.loads(f.read_text()) for f in sorted(files, key=lambda f: f.stat().st_mtime)]
+    except (OSError, ValueError, KeyError):
+        return []
+
+
 def _settings_by_key(bench_dir: Path) -> dict[str, EvalSettings]:
     found = {}
     for p in [bench_dir / "results.json", *sorted((bench_dir / "results").glob("*.json"))]:

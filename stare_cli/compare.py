@@ -17,7 +17,7 @@ import statistics
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import yaml
 
@@ -438,34 +438,29 @@ class PassKCurve:
     hi: list[float] = field(default_factory=list)
 
 
-def passk_groups(results: list[Result]) -> Callable[[str], dict[str, PassKCurve]]:
-    """For a benchmark, the curves to draw: the seeds of one label (several runs with distinct
-    seeds) become one mean curve with an interval; everything else one curve per run."""
+def passk_curves(results: list[Result], bench: str) -> dict[str, PassKCurve]:
+    """The pass@k curves to draw for a benchmark, by legend entry: the seeds of one label (several
+    runs with distinct seeds) become one mean curve with an interval; everything else one curve per run."""
     from benchmarks.metrics import bootstrap_ci
 
     labels = dict(zip(map(id, results), legend_labels(results)))
     by_label: dict[str, list[Result]] = {}
     for r in results:
-        by_label.setdefault(r.label, []).append(r)
-
-    def curves(bench: str) -> dict[str, PassKCurve]:
-        out: dict[str, PassKCurve] = {}
-        for label, rs in by_label.items():
-            rs = [r for r in rs if r.metrics.get(bench)]
-            seeds = {r.seed for r in rs}
-            ks_of = [sorted(int(k.split("@")[1]) for k in r.metrics[bench] if k.startswith("pass@")) for r in rs]
-            if len(rs) > 1 and len(seeds) == len(rs) and all(ks == ks_of[0] for ks in ks_of):
-                ks = ks_of[0]
-                vals = [[r.metrics[bench][f"pass@{k}"] for r in rs] for k in ks]
-                cis = [bootstrap_ci(v) for v in vals]
-                out[f"{_title(label)} ({len(rs)} seeds, mean, 95% CI)"] = PassKCurve(
-                    ks, [sum(v) / len(v) for v in vals], [c[0] for c in cis], [c[1] for c in cis])
-            else:
-                for r, ks in zip(rs, ks_of):
-                    out[labels[id(r)]] = PassKCurve(ks, [r.metrics[bench][f"pass@{k}"] for k in ks])
-        return out
-
-    return curves
+        if r.metrics.get(bench):
+            by_label.setdefault(r.label, []).append(r)
+    out: dict[str, PassKCurve] = {}
+    for label, rs in by_label.items():
+        ks_of = [sorted(int(k.split("@")[1]) for k in r.metrics[bench] if k.startswith("pass@")) for r in rs]
+        if len(rs) > 1 and len({r.seed for r in rs}) == len(rs) and all(ks == ks_of[0] for ks in ks_of):
+            ks = ks_of[0]
+            vals = [[r.metrics[bench][f"pass@{k}"] for r in rs] for k in ks]
+            cis = [bootstrap_ci(v) for v in vals]
+            out[f"{_title(label)} ({len(rs)} seeds, mean, 95% CI)"] = PassKCurve(
+                ks, [sum(v) / len(v) for v in vals], [c[0] for c in cis], [c[1] for c in cis])
+        else:
+            for r, ks in zip(rs, ks_of):
+                out[labels[id(r)]] = PassKCurve(ks, [r.metrics[bench][f"pass@{k}"] for k in ks])
+    return out
 
 
 def passk_plot(results: list[Result], out_dir: Path) -> list[Path]:
@@ -478,10 +473,9 @@ def passk_plot(results: list[Result], out_dir: Path) -> list[Path]:
     benches = [b for b in PAPER_ORDER if b in present] + sorted(present - set(PAPER_ORDER))
     if not benches:
         return []
-    groups = passk_groups(results)
     fig, axes = plt.subplots(1, len(benches), figsize=(3.6 * len(benches), 3.2), squeeze=False)
     for ax, b in zip(axes[0], benches):
-        for name, curve in groups(b).items():
+        for name, curve in passk_curves(results, b).items():
             line, = ax.plot(curve.ks, curve.mean, marker="o", markersize=3 if curve.lo else 5, label=name)
             if curve.lo:
                 ax.fill_between(curve.ks, curve.lo, curve.hi, color=line.get_color(), alpha=0.2, linewidth=0)

@@ -440,19 +440,14 @@ def eval_summary(runs: list[Path]) -> dict:
     """Evaluation metrics of a method's runs (seeds), per benchmark and protocol: every results.json
     under run/eval (the in-training ones per step, and final ones such as `--eval`), each metric's
     mean, std and 95% interval over seeds. Keys: '<bench> n=<N> step=<S>'."""
+    from benchmarks.evaluate import latest_grader_results
+
     per: dict[str, list[dict]] = {}
     for run in runs:
         mine: dict[str, dict] = {}  # one entry per key and run (the newest, should settings differ only in limit)
         for latest in sorted((run / "eval").rglob("results.json")):
-            # every setting evaluated into this folder (results/<key>-<grader>.json), under the latest grader
-            try:
-                grader = json.loads(latest.read_text())["grader"].split("@")[0]
-                files = [f for f in (latest.parent / "results").glob("*.json") if f.name.split("-", 1)[-1] == f"{grader}.json"]
-                found = [json.loads(f.read_text()) for f in sorted(files, key=lambda f: f.stat().st_mtime)]
-            except (OSError, ValueError, KeyError):
-                continue
             step = next((x.name.split("-")[1].lstrip("0") or "0" for x in latest.parents if x.name.startswith("step-")), "?")
-            for res in found:
+            for res in latest_grader_results(latest.parent):
                 key = f"{res['benchmark']} n={res['metrics']['n']} step={step}"
                 mine[key] = {k: v for k, v in res["metrics"].items() if k.startswith(("avg@", "pass@", "maj@"))}
         for key, metrics in mine.items():
@@ -465,6 +460,14 @@ def eval_summary(runs: list[Path]) -> dict:
     return {k: seeds_summary(per[k]) for k in sorted(per, key=order)}
 
 
+def over_seeds_text(o: Optional[dict], digits: int, scale: float = 1.0) -> str:
+    """One `seeds_summary` entry as "mean ± std [lo, hi]" (values times `scale`), "–" when absent."""
+    if not o:
+        return "–"
+    m, sd, (lo, hi) = (scale * o["mean"], scale * o["std"], (scale * v for v in o["ci95"]))
+    return f"{m:.{digits}f} ± {sd:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"
+
+
 def report_markdown(summary: dict) -> str:
     """summary.json as tables: the Fig. 3 numbers, then each evaluation's pass@k over seeds."""
     lines = [f"# Sweep report: {summary['settings']['recipe']}", "",
@@ -475,8 +478,7 @@ def report_markdown(summary: dict) -> str:
     lines += ["| method | n | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
     for m, d in methods.items():
         o = d["over_seeds"]
-        cells = [f"{o[k]['mean']:.3f} ± {o[k]['std']:.3f} [{o[k]['ci95'][0]:.3f}, {o[k]['ci95'][1]:.3f}]" if k in o else "–"
-                 for k in keys]
+        cells = [over_seeds_text(o.get(k), 3) for k in keys]
         lines.append(f"| {m} | {len(d['seeds'])} | " + " | ".join(cells) + " |")
     evals = list(dict.fromkeys(k for d in methods.values() for k in d.get("evaluations", {})))
     for key in evals:
@@ -486,7 +488,5 @@ def report_markdown(summary: dict) -> str:
         lines += ["", f"## {key}", "", "| method | " + " | ".join(metrics) + " |", "|---|" + "---|" * len(metrics)]
         for m, d in methods.items():
             e = d["evaluations"].get(key, {})
-            lines.append(f"| {m} | " + " | ".join(
-                f"{e[x]['mean']:.1f} ± {e[x]['std']:.1f} [{e[x]['ci95'][0]:.1f}, {e[x]['ci95'][1]:.1f}]" if x in e else "–"
-                for x in metrics) + " |")
+            lines.append(f"| {m} | " + " | ".join(over_seeds_text(e.get(x), 1) for x in metrics) + " |")
     return "\n".join(lines) + "\n"

@@ -483,14 +483,14 @@ def strategy_share(rows: list[dict]) -> StrategyShare:
 def run_strategy_shares(run_dir: Path, bench: str = "toy:explore-hard") -> dict[str, StrategyShare]:
     """Every evaluation of `bench` in a run (in training, per step, and final ones), as
     '<step> n=<N>' -> StrategyShare, from each folder's settings (results/*.json) and samples."""
+    from benchmarks.evaluate import latest_grader_results
     from benchmarks.registry import dir_name
     from stare_cli.runs import read_jsonl
 
     out: dict[str, StrategyShare] = {}
     for folder in sorted((run_dir / "eval").glob(f"*/{dir_name(bench)}")):
         rows = read_jsonl(folder / "samples.jsonl") if (folder / "samples.jsonl").exists() else []
-        for res in sorted((folder / "results").glob("*.json")):
-            info = json.loads(res.read_text())
+        for info in latest_grader_results(folder):
             mine = [r for r in rows if r.get("key") == info["key"]]
             if mine:
                 out[f"{folder.parent.name} n={info['protocol']['n']}"] = strategy_share(mine)
@@ -501,7 +501,7 @@ def strategy_table(sweep_dir: Path, bench: str = "toy:explore-hard") -> str:
     """A Markdown table of a sweep's explore-task strategies: per method and evaluation, the share
     of sub-first samples and the accuracy within each order, mean ± std over seeds [95% interval]."""
     from stare_cli.errors import StareError
-    from stare_cli.sweep import seeds_summary
+    from stare_cli.sweep import over_seeds_text, seeds_summary
 
     manifest = sweep_dir / "sweep.json"
     try:
@@ -522,7 +522,5 @@ def strategy_table(sweep_dir: Path, bench: str = "toy:explore-hard") -> str:
              "| method | evaluation | seeds | " + " | ".join(cols) + " |", "|---|---|---|" + "---|" * len(cols)]
     for (method, key), vals in sorted(per.items(), key=lambda kv: (kv[0][1].split()[1], kv[0][1], kv[0][0])):
         o = seeds_summary(vals)
-        cells_ = [f"{100 * o[c]['mean']:.1f} ± {100 * o[c]['std']:.1f} [{100 * o[c]['ci95'][0]:.1f}, {100 * o[c]['ci95'][1]:.1f}]"
-                  if c in o else "–" for c in cols]
-        lines.append(f"| {method} | {key} | {len(vals)} | " + " | ".join(cells_) + " |")
+        lines.append(f"| {method} | {key} | {len(vals)} | " + " | ".join(over_seeds_text(o.get(c), 1, 100) for c in cols) + " |")
     return "\n".join(lines) + "\n"

@@ -187,13 +187,13 @@ def test_pass_at_k_legend_labels_are_distinct(tmp_path):
 
 
 def test_pass_at_k_curves_average_a_labels_seeds_with_an_interval(tmp_path):
-    from stare_cli.compare import Result, passk_groups
+    from stare_cli.compare import Result, passk_curves
 
     def r(label, seed, p1, p4, src):
         return Result(label, seed, str(tmp_path / src), metrics={"aime24": {"pass@1": p1, "pass@2": p1 + 5, "pass@4": p4}})
 
     rs = [r("stare-o1", 1, 10.0, 30.0, "a"), r("stare-o1", 2, 20.0, 50.0, "b"), r("grpo-ds", 1, 5.0, 9.0, "c")]
-    curves = passk_groups(rs)("aime24")
+    curves = passk_curves(rs, "aime24")
     mean = curves["STARE-O1 (2 seeds, mean, 95% CI)"]
     assert mean.ks == [1, 2, 4]
     assert mean.mean == [15.0, 20.0, 40.0]  # (10 + 20) / 2, (15 + 25) / 2, (30 + 50) / 2
@@ -203,5 +203,5 @@ def test_pass_at_k_curves_average_a_labels_seeds_with_an_interval(tmp_path):
     single = curves["GRPO-ds (seed 1)"]  # one run: its own curve, no interval
     assert single.mean == [5.0, 10.0, 9.0] and single.lo == []
     # two runs of one label with the same seed are two runs, not seeds: drawn apart
-    same = passk_groups([r("stare-o1", 1, 10.0, 30.0, "a"), r("stare-o1", 1, 20.0, 50.0, "b")])("aime24")
+    same = passk_curves([r("stare-o1", 1, 10.0, 30.0, "a"), r("stare-o1", 1, 20.0, 50.0, "b")], "aime24")
     assert len(same) == 2 and all(not c.lo for c in same.values())

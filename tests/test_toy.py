@@ -100,7 +100,9 @@ def _sweep_with_strategies(root: Path, shares: dict[tuple[str, int], tuple[int, 
         folder = run / "eval" / "step-000200" / "toy-explore-hard"
         (folder / "results").mkdir(parents=True)
         key = f"k{seed:04d}"
-        (folder / "results" / f"{key}-math-verify.json").write_text(json.dumps({"key": key, "protocol": {"n": 4}}))
+        res = json.dumps({"key": key, "grader": "math-verify@3", "protocol": {"n": 4}})
+        (folder / "results" / f"{key}-math-verify.json").write_text(res)
+        (folder / "results.json").write_text(res)  # the latest setting, as `stare eval` writes it
         rows = [{"key": key, "response": "12-4=8, 8+11=19", "correct": True}] * sub + \
                [{"key": key, "response": "12+11=13, 13-4=9", "correct": False}] * add + \
                [{"key": "other", "response": "12-4=8", "correct": True}] * 3  # another setting's rows: not counted
