@@ -22,6 +22,7 @@ from typing import Optional
 import yaml
 
 from benchmarks.registry import BENCHMARKS, PAPER_ORDER
+from stare_cli.config import dotted_items
 from stare_cli.errors import StareError
 from stare_cli.runs import read_jsonl
 from stare_cli.plots import save_figure
@@ -55,18 +56,8 @@ _NOT_A_VARIANT = ("name", "description", "optim.seed", "optim.total_steps", "log
                   "backend.verl.device", "backend.verl.extra_overrides", "paper")
 
 
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def _variant(cfg: dict) -> dict[str, object]:
-    return {k: v for k, v in _flat(cfg).items() if not k.startswith(_NOT_A_VARIANT) and k not in _NOT_A_VARIANT}
+    return {k: v for k, v in dotted_items(cfg).items() if not k.startswith(_NOT_A_VARIANT) and k not in _NOT_A_VARIANT}
 
 
 def _protocol(res: dict) -> tuple:

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from stare_cli.config import Recipe
+from stare_cli.config import Recipe, dotted_items
 from stare_cli.errors import StareError
 from stare_cli.runs import make_unique_dir
 
@@ -40,20 +40,9 @@ class ResumePlan:
     restart: bool = False
 
 
-def _flat(d: dict, prefix: str = "") -> dict[str, object]:
-    out: dict[str, object] = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(_flat(v, key + "."))
-        else:
-            out[key] = v
-    return out
-
-
 def changed_keys(old: Recipe, new: Recipe) -> dict[str, list]:
     """Every leaf key whose value differs: {dotted key: [old, new]}."""
-    a, b = _flat(old.model_dump(mode="json")), _flat(new.model_dump(mode="json"))
+    a, b = dotted_items(old.model_dump(mode="json")), dotted_items(new.model_dump(mode="json"))
     return {k: [a.get(k), b.get(k)] for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
 
 

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from stare_cli.runs import atomic_write_text
+
 TOY_VERSION = 1
 WORDS = ["Compute", "first", "we", "get", "so", "then", "and", "the", "answer", "is", "thus", "result", "\\boxed{"]
 CHARS = list("0123456789+-=.,; }\n")
@@ -226,9 +228,7 @@ def add_chat_template(path: Path) -> None:
     conf = json.loads(f.read_text())
     if not conf.get("chat_template"):
         conf["chat_template"] = RAW_CHAT_TEMPLATE
-        tmp = f.with_name(f.name + f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(conf, indent=2))
-        os.replace(tmp, f)
+        atomic_write_text(f, json.dumps(conf, indent=2))
 
 
 def build_model(vocab_size: int, seed: int = 0):
