@@ -16,6 +16,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -331,8 +332,16 @@ def test_a_launcher_failure_is_an_error_observation_never_a_fallback():
 
 
 # ------------------------------------------------------------------------------ as a plain user
+def _closed_to_others(path: Path) -> Optional[Path]:
+    """The first directory on the way to `path` that other users cannot enter (None: all can)."""
+    return next((p for p in [*reversed(path.parents), path] if not p.stat().st_mode & 0o001), None)
+
+
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv") or not os.path.exists("/usr/bin/python3"),
                     reason="as root only: re-runs the escape probes as an unprivileged user (setpriv, system python)")
+@pytest.mark.skipif(_closed_to_others(REPO) is not None,
+                    reason=f"the caller (uid 65534) must import stare from this checkout, but "
+                           f"{_closed_to_others(REPO)} is closed to other users (a clone in a 0700 directory)")
 def test_escape_probes_as_an_unprivileged_caller(tmp_path):
     """The campaign found isolation failing open for non-root callers; here the caller is nobody."""
     os.chmod(tmp_path, 0o777)
