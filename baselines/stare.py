@@ -15,18 +15,51 @@ whatever `torch.topk` returns among tied tokens. Weights are float32 (the offici
 the advantages' dtype; under bf16 advantages W = 1.1 would become 1.1015625). The selection scope
 (the whole batch, or each loss call on the current log-probs as the official code) is the caller's
 choice: call this function on what it should see (stare_cli/method_layer.py does both).
+
+Two implementations of one selection: on CPU tensors outside autograd (the embedded backend's loss
+calls) it runs in NumPy, whose per-call cost on a micro-batch is a few microseconds where torch's is
+5-30; elsewhere (accelerators, bf16 advantages, advantages that need gradients) in torch with one host
+read. Both give the same sets and the same bits (tests run every STARE test on both).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Literal, Union
+from typing import Literal, Optional, Union
 
+import numpy as np
 import torch
 from torch import Tensor
 
 Variant = Literal["o1", "c2"]
+
+
+_HOST_DTYPES = (torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class _Selection:
+    """L+ and L- as flat positions into adv.reshape(-1) (int64; L- empty for O1), and the valid tokens."""
+
+    pos: Tensor
+    neg: Tensor
+    n_valid: int
+
+
+def _on_host(adv: Tensor, log_prob: Tensor, mask: Tensor) -> bool:
+    """Whether the selection runs in NumPy: CPU tensors, advantages float32/float64 outside autograd.
+
+    On the CPU a NumPy operation on a micro-batch costs a few microseconds where the same torch
+    operation costs 5-30 (dispatch, and bool-producing kernels that are not vectorised); both paths
+    give the same selection and the same numbers, bit for bit (tests/test_baselines.py runs every
+    STARE test on both)."""
+    return adv.is_cpu and log_prob.is_cpu and mask.is_cpu and adv.dtype in _HOST_DTYPES and not adv.requires_grad
+
+
+def _check_size(n: int) -> None:
+    if n >= 2**31:
+        raise ValueError(f"STARE selection supports fewer than 2**31 tokens per call, got {n}")
 
 
 def _top_k_positions(log_prob: Tensor, members: Tensor, n: int, k: int) -> Tensor:
@@ -36,17 +69,54 @@ def _top_k_positions(log_prob: Tensor, members: Tensor, n: int, k: int) -> Tenso
     Each member gets a unique int64 key (the surprisal's float bits, which order like the floats for
     s >= 0, then the position), so a plain top-k is exact and deterministic with no further host sync.
     """
-    if members.numel() >= 2**31:
-        raise ValueError(f"STARE selection supports fewer than 2**31 tokens per call, got {members.numel()}")
     if members.device.type == "cpu":  # a host sync is free on the CPU, and nonzero is 2x faster there
         pos = torch.nonzero(members).squeeze(1)
     else:  # no sync: the size is known
         pos = torch.nonzero_static(members, size=n).squeeze(1)
+    if k == n:
+        return pos
     # Surprisal of the members only: |min(log pi, 0)| (a log-prob rounded above 0 counts as surprisal 0,
     # and abs turns -0.0 into +0.0). Non-negative float32 bits then order like the floats themselves.
     s = log_prob[pos].to(torch.float32).clamp_(max=0.0).abs_()
     key = s.view(torch.int32).to(torch.int64).bitwise_left_shift_(31).sub_(pos)  # unique; earlier first on ties
     return pos[torch.topk(key, k, sorted=False).indices]
+
+
+def _surprisal_host(log_prob: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """float32 surprisal |min(log pi, 0)| at `pos`, as the device path computes it (a fresh array)."""
+    s = log_prob.take(pos).astype(np.float32, copy=False)
+    np.minimum(s, np.float32(0.0), out=s)
+    return np.abs(s, out=s)
+
+
+def _top_k_positions_host(log_prob: np.ndarray, pos: np.ndarray, P: float, s: Optional[np.ndarray] = None) -> np.ndarray:
+    """_top_k_positions in NumPy for the members at flat positions `pos` (ascending), k = _k(P, pos.size):
+    the same keys, the same selection. `s`: their surprisals, if already computed.
+
+    On more than 1024 members a threshold t from every 8th surprisal first narrows the candidates to
+    those with s >= t (or NaN, which ranks highest as in the device path); if at least k remain, the k
+    largest keys are among them, since every member left out ranks below every candidate. The k-th
+    largest key is then found by a partition, and the keys are unique: exactly k positions reach it.
+    """
+    n = pos.size
+    k = _k(P, n)
+    if k == n:
+        return pos
+    if k == 0:
+        return pos[:0]
+    if s is None:
+        s = _surprisal_host(log_prob, pos)
+    if n > 1024:
+        sample = s[::8]
+        q = min(sample.size, int(sample.size * k / n * 1.5) + 4)  # ~1.5x the expected share, a margin
+        t = np.partition(sample, sample.size - q)[sample.size - q]
+        cand = (~(s < t)).nonzero()[0]  # s >= t, and NaN
+        if cand.size >= k:
+            pos, s = pos.take(cand), s.take(cand)
+    key = s.view(np.int32).astype(np.int64)
+    key <<= 31
+    key -= pos
+    return pos[key >= np.partition(key, key.size - k)[key.size - k]]
 
 
 def _k(P: float, n: int) -> int:
@@ -72,13 +142,35 @@ def check_stare_args(P: float, variant: str) -> str:
     return v
 
 
-def _positions(adv: Tensor, log_prob: Tensor, mask: Tensor, P: float, variant: str) -> tuple[Tensor, Tensor, int]:
-    """(L+ positions, L- positions, valid tokens); see stare_positions. One host read."""
+def _host_arrays(adv: Tensor, log_prob: Tensor, mask: Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Flat NumPy views (copies only where a cast is needed) of A, log pi and the mask in A's dtype."""
+    a = adv.numpy().reshape(-1)
+    lp = log_prob.detach()
+    lp = (lp if lp.dtype in _HOST_DTYPES else lp.to(torch.float32)).numpy().reshape(-1)  # exact, as the device path
+    m = mask.detach()
+    m = (m if m.dtype != torch.bfloat16 else m.to(adv.dtype)).numpy().reshape(-1).astype(a.dtype, copy=False)
+    return a, lp, m
+
+
+def _select_host(a: np.ndarray, lp: np.ndarray, m: np.ndarray, P: float, variant: str) -> tuple[np.ndarray, np.ndarray, int]:
+    """(L+ positions, L- positions, valid tokens) in NumPy; arguments from _host_arrays."""
+    am = a * m  # mask is 0/1: sign(A * mask) is sign(A) on valid tokens and 0 elsewhere
+    n_valid = int(np.count_nonzero(m != 0))
+    pos = _top_k_positions_host(lp, (am > 0).nonzero()[0], P)
+    neg = _top_k_positions_host(lp, (am < 0).nonzero()[0], P) if variant == "c2" else pos[:0]
+    return pos, neg, n_valid
+
+
+def _select(adv: Tensor, log_prob: Tensor, mask: Tensor, P: float, variant: str) -> _Selection:
+    """L+ and L- (see stare_positions) and the valid tokens; in NumPy on the host, else one host read."""
     variant = check_stare_args(P, variant)
+    _check_size(adv.numel())
+    if _on_host(adv, log_prob, mask):
+        pos, neg, n_valid = _select_host(*_host_arrays(adv, log_prob, mask), P, variant)
+        return _Selection(torch.from_numpy(pos), torch.from_numpy(neg), n_valid)
+    flat_mask = mask.detach().reshape(-1).to(adv.dtype)
     olp = log_prob.detach().reshape(-1)
-    flat_mask = mask.reshape(-1).to(adv.dtype)
-    # mask is 0/1, so sign(A * mask) is sign(A) on valid tokens and 0 elsewhere: one pass for both sets.
-    am = adv.reshape(-1) * flat_mask
+    am = adv.detach().reshape(-1) * flat_mask
     cands = [am > 0] + ([am < 0] if variant == "c2" else [])
     *counts, n_valid = torch.stack([torch.count_nonzero(m) for m in (*cands, flat_mask)]).tolist()  # the one host read
     out = []
@@ -87,7 +179,7 @@ def _positions(adv: Tensor, log_prob: Tensor, mask: Tensor, P: float, variant: s
         out.append(_top_k_positions(olp, members, int(n), k) if k else torch.empty(0, dtype=torch.int64, device=adv.device))
     if variant == "o1":
         out.append(torch.empty(0, dtype=torch.int64, device=adv.device))
-    return out[0], out[1], int(n_valid)
+    return _Selection(out[0], out[1], int(n_valid))
 
 
 def stare_positions(adv: Tensor, log_prob: Tensor, mask: Tensor, *, P: float, variant: str) -> tuple[Tensor, Tensor]:
@@ -98,10 +190,11 @@ def stare_positions(adv: Tensor, log_prob: Tensor, mask: Tensor, *, P: float, va
             -log_prob); mask: [B, T] valid response tokens.
         P: fraction selected, in [0, 1]; variant: 'o1' or 'c2' (any case).
     Returns:
-        (L+ positions, L- positions), int64 [k+] and [k-]. One host synchronisation (the set sizes).
+        (L+ positions, L- positions), int64 [k+] and [k-], in no particular order. At most one host
+        synchronisation (the set sizes).
     """
-    l_pos, l_neg, _ = _positions(adv, log_prob, mask, P, variant)
-    return l_pos, l_neg
+    sel = _select(adv, log_prob, mask, P, variant)
+    return sel.pos, sel.neg
 
 
 def stare_sets(adv: Tensor, log_prob: Tensor, mask: Tensor, *, P: float, variant: str) -> tuple[Tensor, Tensor]:
@@ -133,15 +226,26 @@ def stare_scale(
     Returns:
         (adv_eff [B, T] in adv's dtype, |L+|, |L-|, valid tokens), counted in one host read.
     """
-    l_pos, l_neg, n_valid = _positions(adv, log_prob, mask, P, variant)
+    if _on_host(adv, log_prob, mask):  # the loss call's hot path on the CPU: NumPy only
+        variant = check_stare_args(P, variant)
+        _check_size(adv.numel())
+        a, lp, m = _host_arrays(adv, log_prob, mask)
+        pos, neg, n_valid = _select_host(a, lp, m, P, variant)
+        out_np = a.copy()
+        if bool(gate):
+            out_np[pos] *= a.dtype.type(W)  # W in A's dtype, as torch multiplies
+            if neg.size:
+                out_np[neg] *= a.dtype.type(M)
+        return torch.from_numpy(out_np.reshape(adv.shape)), int(pos.size), int(neg.size), n_valid
+    sel = _select(adv, log_prob, mask, P, variant)
     out = adv.clone()
     if bool(gate):
         flat = out.view(-1)
-        if l_pos.numel():
-            flat[l_pos] *= W
-        if l_neg.numel():
-            flat[l_neg] *= M
-    return out, int(l_pos.numel()), int(l_neg.numel()), n_valid
+        if sel.pos.numel():
+            flat[sel.pos] *= W
+        if sel.neg.numel():
+            flat[sel.neg] *= M
+    return out, int(sel.pos.numel()), int(sel.neg.numel()), sel.n_valid
 
 
 def stare_token_weights(
@@ -173,10 +277,10 @@ def stare_token_weights(
     check_stare_args(P, variant)
     if not isinstance(gate, Tensor) and not bool(gate) or P <= 0:
         return torch.ones(adv.shape, dtype=torch.float32, device=adv.device)
-    l_pos, l_neg = stare_positions(adv, old_log_prob, mask, P=P, variant=variant)
+    sel = _select(adv, old_log_prob, mask, P, variant)
     w = torch.ones(adv.numel(), dtype=torch.float32, device=adv.device)
-    w[l_pos] = float(W)
-    w[l_neg] = float(M)
+    w[sel.pos] = float(W)
+    w[sel.neg] = float(M)
     w = w.view(adv.shape)
     if isinstance(gate, Tensor):
         w = torch.where(gate.to(device=w.device, dtype=torch.bool), w, torch.ones_like(w))

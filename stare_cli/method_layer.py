@@ -29,7 +29,7 @@ advantage transforms (exact for the PPO-clip family, since the loss is linear in
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -259,14 +259,14 @@ class MethodLayer:
         metrics.update({k: float(v) for k, v in quadrant_stats(adv, b.old_log_prob, b.entropy, mask).items()})
         return BatchTransform(adv, mask, metrics)
 
-    def _stare(self, adv: Tensor, log_prob: Tensor, mask: Tensor, st: StareState) -> tuple[Tensor, dict[str, Tensor]]:
+    def _stare(self, adv: Tensor, log_prob: Tensor, mask: Tensor, st: StareState) -> tuple[Tensor, dict[str, float]]:
         """w * A for one selection scope, and the shares of valid tokens in L+ and L- (selected whatever
         the gate, as the official code logs them)."""
         s = self.cfg.stare
         adv_eff, k_pos, k_neg, n = stare_scale(adv, log_prob, mask, P=s.P, W=st.W, M=st.M, variant=self.spec.stare,
                                                gate=st.gate)
         n = max(n, 1)
-        return adv_eff, {"stare/sel_pos": torch.tensor(k_pos / n), "stare/sel_neg": torch.tensor(k_neg / n)}
+        return adv_eff, {"stare/sel_pos": k_pos / n, "stare/sel_neg": k_neg / n}  # on the host already
 
     # ---- 6. micro-batches
     def micro_batches(self, lengths: Sequence[int]) -> list[list[int]]:
@@ -279,11 +279,13 @@ class MethodLayer:
         return [list(range(i, min(i + m, len(lengths)))) for i in range(0, len(lengths), m)]
 
     # ---- 7. loss
-    def loss(self, x: LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
-        """The method's loss on one micro-batch; stats are 0-dim tensors (module docstring, step 7)."""
+    def loss(self, x: LossInputs) -> tuple[Tensor, dict[str, Union[Tensor, float]]]:
+        """The method's loss on one micro-batch (module docstring, step 7); stats are detached 0-dim
+        tensors, or Python floats for numbers the host already has (the STARE shares): read them with
+        `float()`."""
         cfg, spec = self.cfg, self.spec
         adv = x.advantages
-        extra: dict[str, Tensor] = {}
+        extra: dict[str, float] = {}
         if spec.entro_adv:
             if x.entropy is None:
                 raise ValueError("entro-adv needs the current policy's token entropy")
@@ -312,4 +314,4 @@ class MethodLayer:
             stats["entropy_bonus"] = bonus.detach()
             loss = loss + bonus
         stats.update(extra)
-        return loss, {k: v.detach() for k, v in stats.items()}
+        return loss, {k: v.detach() if isinstance(v, Tensor) else v for k, v in stats.items()}

@@ -145,6 +145,18 @@ def test_top_entropy_mask_keeps_top_fraction():
 
 
 # ------------------------------------------------------------------------------------------ STARE
+
+@pytest.fixture(params=["host", "device"])
+def stare_path(request, monkeypatch):
+    """Every STARE selection test runs on both paths: NumPy on the host (the CPU default) and the torch
+    path that accelerators take, forced here on the CPU."""
+    import baselines.stare as stare_mod
+
+    if request.param == "device":
+        monkeypatch.setattr(stare_mod, "_on_host", lambda *args: False)
+    return request.param
+
+
 def _case():
     # Row 0: A = +1 on 5 tokens with surprisal 0.1, 2.0, 0.5, 3.0, 1.0.
     # Row 1: A = -1 on 5 tokens with surprisal 5, 4, 3, 2, 1.
@@ -153,6 +165,7 @@ def _case():
     return adv, -s, torch.ones(2, 5)
 
 
+@pytest.mark.usefixtures("stare_path")
 def test_stare_o1_hand_computed():
     adv, olp, mask = _case()
     # P 0.2: k = ceil(0.2 * 5) = 1 -> the surprisal-3.0 token of row 0 gets W.
@@ -165,6 +178,7 @@ def test_stare_o1_hand_computed():
     assert w[0].tolist() == pytest.approx([1, 1.1, 1, 1.1, 1])
 
 
+@pytest.mark.usefixtures("stare_path")
 def test_stare_c2_hand_computed():
     adv, olp, mask = _case()
     w = stare_token_weights(adv, olp, mask, P=0.2, W=1.1, M=0.9, variant="c2")
@@ -174,6 +188,7 @@ def test_stare_c2_hand_computed():
     assert torch.equal(w, expect)
 
 
+@pytest.mark.usefixtures("stare_path")
 def test_stare_ties_are_deterministic_by_position():
     adv = torch.ones(1, 6)
     olp = torch.full((1, 6), -1.0)  # every surprisal is 1.0
@@ -184,6 +199,7 @@ def test_stare_ties_are_deterministic_by_position():
     assert w.tolist() == [[2.0, 2.0, 2.0, 1.0, 1.0, 1.0]]
 
 
+@pytest.mark.usefixtures("stare_path")
 def test_stare_empty_sets_masked_rows_and_zero_advantage():
     adv, olp, mask = _case()
     neg_only = -adv.abs()
@@ -197,6 +213,7 @@ def test_stare_empty_sets_masked_rows_and_zero_advantage():
     assert torch.equal(stare_token_weights(zero, olp, mask, P=1.0, variant="c2"), torch.ones(2, 5))
 
 
+@pytest.mark.usefixtures("stare_path")
 def test_stare_p_zero_and_one_and_minimum_k():
     adv, olp, mask = _case()
     assert torch.equal(stare_token_weights(adv, olp, mask, P=0.0), torch.ones(2, 5))
@@ -206,6 +223,7 @@ def test_stare_p_zero_and_one_and_minimum_k():
     assert (stare_token_weights(adv, olp, mask, P=0.01) != 1).sum() == 1
 
 
+@pytest.mark.usefixtures("stare_path")
 def test_stare_k_is_exact_for_float_products():
     # 0.1 * 30 = 3.0000000000000004 in floating point; k must be 3, not 4.
     adv = torch.ones(1, 30)
@@ -214,6 +232,7 @@ def test_stare_k_is_exact_for_float_products():
     assert (w == 2.0).sum() == 3 and w[0, 27:].tolist() == [2.0, 2.0, 2.0]
 
 
+@pytest.mark.usefixtures("stare_path")
 def test_stare_gate_off_gives_ones():
     adv, olp, mask = _case()
     assert torch.equal(stare_token_weights(adv, olp, mask, gate=False), torch.ones(2, 5))
@@ -221,6 +240,7 @@ def test_stare_gate_off_gives_ones():
     assert stare_token_weights(adv, olp, mask, P=0.2, gate=torch.tensor(True)).max() == pytest.approx(1.1)
 
 
+@pytest.mark.usefixtures("stare_path")
 def test_stare_gate_is_coerced_with_bool():
     """numpy and integer gates mean what bool() says: np.bool_(False) and 0 are off."""
     import numpy as np
@@ -249,6 +269,7 @@ def test_stare_p_outside_unit_interval_is_rejected(P):
         StareController(P=P)
 
 
+@pytest.mark.usefixtures("stare_path")
 def test_stare_variant_is_case_insensitive():
     adv, olp, mask = _case()
     assert torch.equal(stare_token_weights(adv, olp, mask, P=0.2, variant="C2"),
@@ -279,6 +300,7 @@ def test_stare_bf16_matches_fp32():
     assert w16.dtype == torch.float32
 
 
+@pytest.mark.usefixtures("stare_path")
 def test_stare_selection_size_on_random_batch():
     g = torch.Generator().manual_seed(2)
     adv = torch.randn(16, 100, generator=g)
@@ -293,6 +315,86 @@ def test_stare_selection_size_on_random_batch():
     s = -olp
     sel, rest = s[(w > 1)], s[(adv > 0) & (mask > 0) & (w == 1)]
     assert sel.min() >= rest.max()
+
+
+def _reference_selection(adv, log_prob, mask, P, sign):
+    """Brute force: the k = ceil-ish(P n) members of {valid, sign(A) = sign} ranked by surprisal
+    |min(log pi, 0)| (NaN highest), ties to the earlier flat position."""
+    from baselines.stare import _k
+
+    a, lp, m = adv.double().reshape(-1).tolist(), log_prob.float().reshape(-1).tolist(), mask.reshape(-1).tolist()
+    members = [i for i in range(len(a)) if m[i] != 0 and (a[i] * m[i] > 0 if sign > 0 else a[i] * m[i] < 0)]
+
+    def rank(i):
+        x = lp[i]
+        return (1, 0.0, -i) if math.isnan(x) else (0, abs(min(x, 0.0)), -i)
+
+    return sorted(sorted(members, key=rank, reverse=True)[:_k(P, len(members))])
+
+
+def _selection_cases():
+    """(name, adv, log_prob, mask): small and large, ties, +-0.0, log-probs above 0, NaN, infinities,
+    float64, bool masks, and a batch whose every-8th-member sample overestimates the threshold (the
+    NumPy path's narrowing fails and falls back to the full partition)."""
+    g = torch.Generator().manual_seed(7)
+    cases = []
+    for n_rows, T in [(3, 7), (4, 600), (6, 1400)]:  # 6 x 1400: above the 1024-member narrowing
+        adv = torch.randn(n_rows, 1, generator=g).expand(n_rows, T).contiguous()
+        mask = (torch.rand(n_rows, T, generator=g) > 0.2).float()
+        lp = -torch.rand(n_rows, T, generator=g) * 5
+        cases.append((f"random {n_rows}x{T}", adv, lp, mask))
+        cases.append((f"quantised ties {n_rows}x{T}", adv, (lp * 2).round() / 2, mask))
+        odd = lp.clone().reshape(-1)
+        odd[::5], odd[1::7], odd[2::11] = 0.0, -0.0, 0.25  # +0, -0 and a log-prob rounded above 0
+        odd[3::13], odd[4::17], odd[6::19] = float("nan"), float("-inf"), float("inf")
+        cases.append((f"+-0, >0, nan, inf {n_rows}x{T}", adv, odd.view(n_rows, T), mask.bool()))
+        cases.append((f"float64 {n_rows}x{T}", adv.double(), lp.double(), mask))
+    T = 4000  # one row of A > 0: the large surprisals sit exactly on the sampled members (every 8th)
+    lp = torch.full((1, T), -0.5)
+    lp[0, ::8] = -5.0 - torch.arange(0, T, 8) / T
+    cases.append(("sample overestimates", torch.ones(1, T), lp, torch.ones(1, T)))
+    return cases
+
+
+@pytest.mark.parametrize("variant", ["o1", "c2"])
+def test_stare_host_and_device_paths_agree_with_brute_force(variant, monkeypatch):
+    """The NumPy host path and the torch device path select what a brute-force ranking selects, and
+    scale A to the same bits (stare_scale) and give the same weights (stare_token_weights)."""
+    import baselines.stare as stare_mod
+    from baselines.stare import stare_positions, stare_scale
+
+    for name, adv, lp, mask in _selection_cases():
+        for P in (0.1, 0.37):
+            out = {}
+            for path in ("host", "device"):
+                with monkeypatch.context() as mp:
+                    if path == "device":
+                        mp.setattr(stare_mod, "_on_host", lambda *args: False)
+                    pos, neg = stare_positions(adv, lp, mask, P=P, variant=variant)
+                    out[path] = (sorted(pos.tolist()), sorted(neg.tolist()),
+                                 stare_scale(adv, lp, mask, P=P, W=1.1, M=0.9, variant=variant),
+                                 stare_token_weights(adv, lp, mask, P=P, W=1.1, M=0.9, variant=variant))
+            ref_pos = _reference_selection(adv, lp, mask, P, +1)
+            ref_neg = _reference_selection(adv, lp, mask, P, -1) if variant == "c2" else []
+            assert out["host"][0] == ref_pos and out["device"][0] == ref_pos, (name, P)
+            assert out["host"][1] == ref_neg and out["device"][1] == ref_neg, (name, P)
+            (h_adv, *h_counts), (d_adv, *d_counts) = out["host"][2], out["device"][2]
+            assert h_adv.dtype == d_adv.dtype == adv.dtype and torch.equal(h_adv, d_adv) and h_counts == d_counts, (name, P)
+            assert torch.equal(out["host"][3], out["device"][3]), (name, P)
+
+
+def test_stare_host_path_takes_cpu_tensors_only_outside_autograd():
+    from baselines.stare import _on_host, stare_scale
+
+    adv, olp, mask = torch.randn(2, 5), -torch.rand(2, 5), torch.ones(2, 5)
+    assert _on_host(adv, olp, mask) and not _on_host(adv.bfloat16(), olp, mask)
+    leaf = adv.clone().requires_grad_(True)
+    assert not _on_host(leaf, olp, mask)
+    out, *_ = stare_scale(leaf, olp, mask, P=0.5, W=2.0)  # the device path keeps the graph
+    out.sum().backward()
+    assert leaf.grad is not None and set(leaf.grad.unique().tolist()) <= {1.0, 2.0}
+    scaled, *_ = stare_scale(adv, olp, mask, P=0.5, W=2.0)
+    assert scaled.data_ptr() != adv.data_ptr()  # a copy: the caller's advantages are untouched
 
 
 def test_controller_gate_adaptive_nan_and_state():
@@ -324,6 +426,7 @@ def _batch(seed=0, B=6, T=20, dtype=torch.float64):
     return new, old, adv, mask
 
 
+@pytest.mark.usefixtures("stare_path")
 def test_unit_weights_or_gate_off_equal_grpo_loss():
     new, old, adv, mask = _batch()
     base, _ = ppo_clip_loss(new, old, adv, mask)
@@ -335,6 +438,7 @@ def test_unit_weights_or_gate_off_equal_grpo_loss():
         assert torch.equal(loss, base)
 
 
+@pytest.mark.usefixtures("stare_path")
 def test_c2_with_unit_m_equals_o1():
     new, old, adv, mask = _batch(1)
     assert torch.equal(

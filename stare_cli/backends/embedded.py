@@ -702,7 +702,7 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume: Optional["ResumePl
                                 stare=stare_state, generator=gen))
                             (scaler.scale(loss) if scaler else loss).backward()
                             for k, v in st.items():
-                                stats_acc.setdefault(k, []).append(float(v.detach()))
+                                stats_acc.setdefault(k, []).append(float(v))
                             stats_acc.setdefault("loss", []).append(float(loss.detach()))
                         if scaler:
                             scaler.unscale_(opt)
