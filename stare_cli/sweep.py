@@ -6,7 +6,8 @@ A sweep directory holds
     sweep.log      one line per cell event with the overall ETA (also on stderr)
     cells/<method>-seed<k>/<run dir>   each cell an ordinary run directory (`stare train --resume`,
                    `stare compare` work on it)
-    logs/<method>-seed<k>.log          each cell's own output
+    logs/<method>-seed<k>.log          each cell's own log (stderr: progress, warnings, errors)
+    logs/<method>-seed<k>.out          its stdout (the run directory, last line)
     table.md, table.csv, dynamics.png/.svg, summary.json   written when the cells are done
 
 Running the same command again is idempotent: a finished cell (its newest checkpoint is its last
@@ -228,6 +229,21 @@ def run_sweep(spec: SweepSpec, out: Optional[Path] = None, parallel: Optional[in
         log.close()
 
 
+@dataclass
+class _Running:
+    """A cell's training process and its open log (stderr) and stdout files."""
+
+    proc: subprocess.Popen
+    cell: Cell
+    start: float
+    log: TextIO
+    stdout: TextIO
+
+    def close(self) -> None:
+        self.log.close()
+        self.stdout.close()
+
+
 def _train_cells(spec: SweepSpec, out: Path, cells: list[Cell], parallel: int, threads: int, log: _Log) -> None:
     todo: list[Cell] = []
     for c in cells:
@@ -244,7 +260,7 @@ def _train_cells(spec: SweepSpec, out: Path, cells: list[Cell], parallel: int, t
     if not todo:
         return
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": "PASSIVE"}
-    running: dict[str, tuple[subprocess.Popen, Cell, float, TextIO]] = {}
+    running: dict[str, _Running] = {}
     durations: list[float] = []
     got: list[int] = []
     old = {s: signal.signal(s, lambda signum, frame: got.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -259,24 +275,27 @@ def _train_cells(spec: SweepSpec, out: Path, cells: list[Cell], parallel: int, t
                 f = open(out / "logs" / f"{c.name}.log", "a")
                 f.write(f"\n$ {' '.join(cmd)}\n")
                 f.flush()
-                p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=f, text=True, env=env,
+                # stdout to a file, not a pipe: a pipe nobody reads until exit blocks a chatty cell
+                fo = open(out / "logs" / f"{c.name}.out", "w")
+                p = subprocess.Popen(cmd, stdout=fo, stderr=f, text=True, env=env,
                                      start_new_session=True, preexec_fn=_die_with_sweep)
                 c.state = "running"
-                running[c.name] = (p, c, time.time(), f)
+                running[c.name] = _Running(p, c, time.time(), f, fo)
                 _save_manifest(out, spec, cells)
                 log(f"start {c.name} ({'resume' if rd else 'new'}){' ' + str(rd) if rd else ''}")
             if len(got) > forwarded:  # pass each signal on once: the cells checkpoint and stop
-                for p, _, _, _ in running.values():
+                for r in running.values():
                     try:
-                        p.send_signal(got[forwarded])
+                        r.proc.send_signal(got[forwarded])
                     except ProcessLookupError:
                         pass
                 forwarded = len(got)
-            for name, (p, c, start, f) in list(running.items()):
+            for name, r in list(running.items()):
+                p, c, start = r.proc, r.cell, r.start
                 if p.poll() is None:
                     continue
-                stdout = p.stdout.read() if p.stdout else ""
-                f.close()
+                r.close()
+                stdout = (out / "logs" / f"{c.name}.out").read_text(errors="replace")
                 del running[name]
                 c.exit_code, c.seconds = p.returncode, round(time.time() - start, 1)
                 rd = cell_run_dir(out, c)
@@ -305,9 +324,9 @@ def _train_cells(spec: SweepSpec, out: Path, cells: list[Cell], parallel: int, t
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-        for p, _, _, f in running.values():  # only when this loop itself failed
-            p.kill()
-            f.close()
+        for r in running.values():  # only when this loop itself failed
+            r.proc.kill()
+            r.close()
     if got:
         code = 128 + got[0]
         raise Interrupted(f"sweep interrupted after {_fmt_s(time.time() - t0)}; the cells wrote checkpoints; "

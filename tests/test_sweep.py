@@ -179,3 +179,28 @@ def test_demo_runs_from_another_warm_up_and_prints_its_verdicts(cli, tmp_path, q
     for cell in _cells(tmp_path / "demo").values():
         cfg = (Path(cell["run_dir"]) / "config.yaml").read_text()
         assert f"path: {quick_toy}" in cfg
+
+
+def test_a_cell_that_prints_more_than_a_pipe_holds_still_finishes(tmp_path, monkeypatch):
+    """A cell's stdout goes to a file: a cell that prints 1 MB (a pipe holds 64 KB, and the sweep reads
+    a cell's output only once it exits) finishes, and its last line still names its run directory."""
+    from stare_cli import sweep
+
+    script = "for _ in range(10000): print('x' * 100)\nprint('/runs/the-run-dir')\n"
+    monkeypatch.setattr(sweep, "_train_command", lambda *a, **k: [sys.executable, "-c", script])
+    out = tmp_path / "sw"
+    (out / "logs").mkdir(parents=True)
+    spec = sweep.SweepSpec(recipe="tiny/arith", methods=("grpo-ds",), seeds=(1,))
+    cells = [sweep.Cell("grpo-ds", 1)]
+
+    def too_long(signum, frame):
+        raise TimeoutError("the sweep waited on a cell blocked writing to a full pipe")
+
+    old = signal.signal(signal.SIGALRM, too_long)
+    signal.alarm(60)
+    try:
+        sweep._train_cells(spec, out, cells, 1, 1, lambda m: None)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    assert cells[0].state == "done" and cells[0].exit_code == 0 and cells[0].run_dir == "/runs/the-run-dir"
