@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Literal, Optional, Union
+from typing import Literal, Union
 
 import numpy as np
 import torch
@@ -89,9 +89,9 @@ def _surprisal_host(log_prob: np.ndarray, pos: np.ndarray) -> np.ndarray:
     return np.abs(s, out=s)
 
 
-def _top_k_positions_host(log_prob: np.ndarray, pos: np.ndarray, P: float, s: Optional[np.ndarray] = None) -> np.ndarray:
+def _top_k_positions_host(log_prob: np.ndarray, pos: np.ndarray, P: float) -> np.ndarray:
     """_top_k_positions in NumPy for the members at flat positions `pos` (ascending), k = _k(P, pos.size):
-    the same keys, the same selection. `s`: their surprisals, if already computed.
+    the same keys, the same selection.
 
     On more than 1024 members a threshold t from every 8th surprisal first narrows the candidates to
     those with s >= t (or NaN, which ranks highest as in the device path); if at least k remain, the k
@@ -104,8 +104,7 @@ def _top_k_positions_host(log_prob: np.ndarray, pos: np.ndarray, P: float, s: Op
         return pos
     if k == 0:
         return pos[:0]
-    if s is None:
-        s = _surprisal_host(log_prob, pos)
+    s = _surprisal_host(log_prob, pos)
     if n > 1024:
         sample = s[::8]
         q = min(sample.size, int(sample.size * k / n * 1.5) + 4)  # ~1.5x the expected share, a margin
