@@ -160,15 +160,32 @@ def test_a_signal_checkpoints_at_the_step_boundary_and_says_how_to_resume(tmp_pa
 
 
 def test_a_second_signal_stops_at_once_without_a_checkpoint(tmp_path, quick_toy):
+    """The second SIGINT goes out as soon as the trainer acknowledges the first, which arrived well
+    inside step 2 (steps of ~1-2 s): a fixed delay between the two raced the step's end on a busy
+    machine (the first signal then landed at the boundary and the run stopped with a checkpoint)."""
+    import threading
+
     p = _spawn_train(tmp_path, quick_toy, "optim.total_steps=200", "checkpoint.every=0",
-                     "method.dynamic_sampling=false", "rollout.n=16", "rollout.max_response_tokens=64")
-    run = _wait_for_rows(tmp_path, 1)
-    p.send_signal(signal.SIGINT)
-    time.sleep(0.2)
-    p.send_signal(signal.SIGINT)
-    _, err = p.communicate(timeout=300)
+                     "method.dynamic_sampling=false", "rollout.n=32", "rollout.max_response_tokens=64")
+    guard = threading.Timer(300, p.kill)  # readline below must not wait forever on a stuck run
+    guard.start()
+    try:
+        _wait_for_rows(tmp_path, 1)
+        time.sleep(0.2)  # past step 1's boundary work (its metrics row comes before its log line)
+        p.send_signal(signal.SIGINT)
+        seen = []
+        while not any("stopping after" in x for x in seen):
+            line = p.stderr.readline()
+            assert line, "".join(seen)
+            seen.append(line)
+        assert "stopping after step 2 of 200" in seen[-1], "".join(seen)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=300)
+    finally:
+        guard.cancel()
+    err = "".join(seen) + err
     assert p.returncode == 130, err
-    assert "SIGINT again during step" in err and "stopped without a checkpoint" in err
+    assert "SIGINT again during step 2" in err and "stopped without a checkpoint" in err
 
 
 # ------------------------------------------------------------------- run dirs, caches, durability
