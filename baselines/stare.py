@@ -91,12 +91,13 @@ def _surprisal_host(log_prob: np.ndarray, pos: np.ndarray) -> np.ndarray:
 
 def _top_k_positions_host(log_prob: np.ndarray, pos: np.ndarray, P: float) -> np.ndarray:
     """_top_k_positions in NumPy for the members at flat positions `pos` (ascending), k = _k(P, pos.size):
-    the same keys, the same selection.
+    the same selection, ranked by the same float bits (non-negative float32 bits order like the floats,
+    and NaN above infinity, as the device path's keys), ties to the earlier position.
 
-    On more than 1024 members a threshold t from every 8th surprisal first narrows the candidates to
-    those with s >= t (or NaN, which ranks highest as in the device path); if at least k remain, the k
-    largest keys are among them, since every member left out ranks below every candidate. The k-th
-    largest key is then found by a partition, and the keys are unique: exactly k positions reach it.
+    On more than 1024 members a threshold t from every 8th member first narrows the candidates to
+    those at or above it; if at least k remain, the k largest are among them, since every member left
+    out ranks below every candidate. Then the k-th largest value, found by a partition, is the cut:
+    all above it, and of those equal to it the earliest, up to k.
     """
     n = pos.size
     k = _k(P, n)
@@ -104,18 +105,19 @@ def _top_k_positions_host(log_prob: np.ndarray, pos: np.ndarray, P: float) -> np
         return pos
     if k == 0:
         return pos[:0]
-    s = _surprisal_host(log_prob, pos)
+    bits = _surprisal_host(log_prob, pos).view(np.int32)
     if n > 1024:
-        sample = s[::8]
+        sample = bits[::8]
         q = min(sample.size, int(sample.size * k / n * 1.5) + 4)  # ~1.5x the expected share, a margin
-        t = np.partition(sample, sample.size - q)[sample.size - q]
-        cand = (~(s < t)).nonzero()[0]  # s >= t, and NaN
+        cand = (bits >= np.partition(sample, sample.size - q)[sample.size - q]).nonzero()[0]
         if cand.size >= k:
-            pos, s = pos.take(cand), s.take(cand)
-    key = s.view(np.int32).astype(np.int64)
-    key <<= 31
-    key -= pos
-    return pos[key >= np.partition(key, key.size - k)[key.size - k]]
+            pos, bits = pos.take(cand), bits.take(cand)
+    cut = np.partition(bits, bits.size - k)[bits.size - k]
+    chosen = bits >= cut
+    extra = int(np.count_nonzero(chosen)) - k
+    if extra:  # ties at the cut: drop the latest of them (pos is ascending)
+        chosen[(bits == cut).nonzero()[0][-extra:]] = False
+    return pos[chosen]
 
 
 def _k(P: float, n: int) -> int:
