@@ -48,12 +48,8 @@ class _Selection:
 
 
 def _on_host(adv: Tensor, log_prob: Tensor, mask: Tensor) -> bool:
-    """Whether the selection runs in NumPy: CPU tensors, advantages float32/float64 outside autograd.
-
-    On the CPU a NumPy operation on a micro-batch costs a few microseconds where the same torch
-    operation costs 5-30 (dispatch, and bool-producing kernels that are not vectorised); both paths
-    give the same selection and the same numbers, bit for bit (tests/test_baselines.py runs every
-    STARE test on both)."""
+    """Whether the selection runs in NumPy (module docstring): CPU tensors, advantages float32/float64
+    outside autograd."""
     return adv.is_cpu and log_prob.is_cpu and mask.is_cpu and adv.dtype in _HOST_DTYPES and not adv.requires_grad
 
 

@@ -295,7 +295,7 @@ def _train_cells(spec: SweepSpec, out: Path, cells: list[Cell], parallel: int, t
                 if p.poll() is None:
                     continue
                 r.close()
-                stdout = (out / "logs" / f"{c.name}.out").read_text(errors="replace")
+                stdout = Path(r.stdout.name).read_text(errors="replace")
                 del running[name]
                 c.exit_code, c.seconds = p.returncode, round(time.time() - start, 1)
                 rd = cell_run_dir(out, c)
