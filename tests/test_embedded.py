@@ -277,15 +277,19 @@ def test_skipped_steps_still_checkpoint_evaluate_and_resume(cli, tmp_path, quick
 
 @pytest.mark.parametrize("batching", [["optim.mini_batch_size=4", "optim.micro_batch_size=32"], []],
                          ids=["fused", "micro-batches"])
-def test_length_buckets_leave_the_training_step_unchanged(cli, tmp_path, quick_toy, batching):
-    # Step 1 rolls out from the same weights either way, so every number of it must agree: the
-    # bucketed forwards compute the same log-probs, entropies, STARE sets, loss and gradient.
+@pytest.mark.parametrize("setting", [("length_buckets", "true", "false"), ("share_prompts", "true", "false")],
+                         ids=["length_buckets", "share_prompts"])
+def test_forward_layouts_leave_the_training_step_unchanged(cli, tmp_path, quick_toy, batching, setting):
+    # Step 1 rolls out from the same weights either way, so every number of it must agree: bucketed
+    # forwards and shared-prompt forwards compute the same log-probs, entropies, STARE sets, loss
+    # and gradient as one padded forward per micro-batch and one sequence per row.
+    key, on, off = setting
     rows = {}
-    for b in ("true", "false"):
+    for b in (on, off):
         run = _train(cli, tmp_path / b, quick_toy, "stare-o1", "optim.total_steps=1", "method.dynamic_sampling=false",
-                     f"backend.embedded.length_buckets={b}", *batching)
+                     f"backend.embedded.{key}={b}", *batching)
         rows[b] = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
-    keys = [k for k in rows["true"] if not k.startswith("time/") and isinstance(rows["true"][k], (int, float))]
+    keys = [k for k in rows[on] if not k.startswith("time/") and isinstance(rows[on][k], (int, float))]
     assert {"entropy", "loss", "grad_norm", "stare/sel_pos", "actor/clip_frac"} <= set(keys)
-    torch.testing.assert_close(torch.tensor([rows["true"][k] for k in keys], dtype=torch.float32),
-                               torch.tensor([rows["false"][k] for k in keys], dtype=torch.float32))
+    torch.testing.assert_close(torch.tensor([rows[on][k] for k in keys], dtype=torch.float32),
+                               torch.tensor([rows[off][k] for k in keys], dtype=torch.float32))

@@ -125,3 +125,77 @@ def test_empty_responses_score_zero(model, monkeypatch):
         lp, ent = token_logprobs_entropy(model, batch, range(3), temperature=1.0, buckets=buckets)
         assert lp.shape == (3, 3) and (lp[:2] == 0).all() and (ent[:2] == 0).all()
         torch.testing.assert_close(lp[2], _reference(model, s[2], 1.0)[0].detach())
+
+
+def _grouped_samples(n_prompts: int, n: int, seed: int) -> list[Sample]:
+    """GRPO-style rows: n responses per prompt, adjacent; prompt lengths 1-9, responses 0-23 tokens."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n_prompts):
+        p = [rng.randrange(2, 40) for _ in range(rng.randint(1, 9))]
+        for _ in range(n):
+            r = [rng.randrange(2, 40) for _ in range(rng.choice([0, 1, 2] + list(range(3, 24))))]
+            out.append(Sample(text="", prompt_ids=list(p), response_ids=r))
+    return out
+
+
+def test_pack_numbers_rows_by_prompt():
+    s = [Sample(text="", prompt_ids=[7, 8], response_ids=[9]), Sample(text="", prompt_ids=[5], response_ids=[6]),
+         Sample(text="", prompt_ids=[7, 8], response_ids=[4, 3]), Sample(text="", prompt_ids=[7], response_ids=[1])]
+    assert pack(s, pad_id=0, device="cpu")["prompt_group"].tolist() == [0, 1, 0, 2]
+
+
+@pytest.mark.parametrize("buckets", [True, False])
+def test_shared_prompt_forward_equals_per_row_forward(model, buckets):
+    samples = _grouped_samples(6, 4, seed=5)
+    samples[1].response_ids, samples[2].response_ids = [], [5]  # an empty and a one-token response
+    batch = pack(samples, pad_id=0, device="cpu")
+    T = batch["response_mask"].shape[1]
+    rows = [9, 0, 17, 3, 11, 23, 8, 1, 2, 10]  # a micro-batch in any order; prompts 0, 1, 2, 4, 5 shared or not
+    with torch.no_grad():
+        lp, ent = token_logprobs_entropy(model, batch, rows, temperature=0.7, buckets=buckets, share_prompts=True)
+        lp_only, none = token_logprobs_entropy(model, batch, rows, temperature=0.7, need_entropy=False,
+                                               buckets=buckets, share_prompts=True)
+    assert none is None and torch.equal(lp_only, lp)
+    assert lp.shape == ent.shape == (len(rows), T)
+    for k, r in enumerate(rows):
+        n = len(samples[r].response_ids)
+        if n:
+            ref_lp, ref_ent = _reference(model, samples[r], 0.7)
+            torch.testing.assert_close(lp[k, :n], ref_lp)
+            torch.testing.assert_close(ent[k, :n], ref_ent)
+        assert (lp[k, n:] == 0).all() and (ent[k, n:] == 0).all()
+
+
+def test_shared_prompt_forward_gives_the_row_forwards_gradients(model, monkeypatch):
+    import stare_cli.backends.embedded as E
+
+    samples = _grouped_samples(8, 4, seed=6)
+    batch = pack(samples, pad_id=0, device="cpu")
+    rlens = [len(s.response_ids) for s in samples]
+    assert len(length_buckets(rlens)) > 1  # the responses really go through in several buckets
+    calls = []
+    real = E._shared_prompt_logprobs_entropy
+    monkeypatch.setattr(E, "_shared_prompt_logprobs_entropy", lambda *a: calls.append(1) or real(*a))
+    grads, lps = [], []
+    for share in (True, False):
+        model.zero_grad(set_to_none=True)
+        lp, ent = token_logprobs_entropy(model, batch, range(32), temperature=1.0, share_prompts=share)
+        ((lp - 0.1 * ent) * batch["response_mask"]).sum().backward()
+        grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
+        lps.append(lp.detach())
+    assert calls == [1]  # the shared path ran once, the row path once
+    torch.testing.assert_close(lps[0], lps[1])
+    for k in grads[0]:
+        torch.testing.assert_close(grads[0][k], grads[1][k])
+
+
+def test_rows_without_a_shared_prompt_take_the_row_path(model, monkeypatch):
+    import stare_cli.backends.embedded as E
+
+    monkeypatch.setattr(E, "_shared_prompt_logprobs_entropy", lambda *a: pytest.fail("nothing to share"))
+    samples = _grouped_samples(4, 3, seed=7)
+    batch = pack(samples, pad_id=0, device="cpu")
+    with torch.no_grad():
+        lp, _ = token_logprobs_entropy(model, batch, [0, 3, 6, 9], temperature=1.0, share_prompts=True)
+    torch.testing.assert_close(lp[1, :len(samples[3].response_ids)], _reference(model, samples[3], 1.0)[0])

@@ -269,7 +269,8 @@ TABLE: list[Row] = [
     Row(("eval.n", "eval.temperature", "eval.top_p", "eval.max_tokens", "eval.every"), "verl",
         "one sampling setting for all benchmarks", _eval, _refuse_eval),
     # backends
-    Row(("backend.embedded.device", "backend.embedded.threads", "backend.embedded.length_buckets"), "other",
+    Row(("backend.embedded.device", "backend.embedded.threads", "backend.embedded.length_buckets",
+         "backend.embedded.share_prompts"), "other",
         "the embedded backend's section"),
     Row(("backend.verl.nnodes", "backend.verl.n_gpus_per_node"), "verl", "",
         lambda c: {"trainer.nnodes": c.backend.verl.nnodes, "trainer.n_gpus_per_node": c.backend.verl.n_gpus_per_node}),
