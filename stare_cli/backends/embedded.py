@@ -180,6 +180,14 @@ def token_logprobs_entropy(model, batch: dict, rows, temperature: float, need_en
     return _row_logprobs_entropy(model, batch, rows, temperature, need_entropy, buckets)
 
 
+def _inverse(pos: list[int]) -> list[int]:
+    """The inverse permutation: where each original index sits in `pos` (bucket order)."""
+    inv = [0] * len(pos)
+    for k, i in enumerate(pos):
+        inv[i] = k
+    return inv
+
+
 def _row_logprobs_entropy(model, batch: dict, rows: list[int], temperature: float, need_entropy: bool,
                           buckets: bool):
     """`token_logprobs_entropy` with each row's prompt and response in one sequence."""
@@ -192,9 +200,7 @@ def _row_logprobs_entropy(model, batch: dict, rows: list[int], temperature: floa
     groups = length_buckets(lens) if buckets else [list(range(len(rows)))]
     pos = [i for g in groups for i in g]  # positions in `rows`, bucket by bucket
     order = [rows[i] for i in pos]
-    inv = [0] * len(rows)
-    for k, i in enumerate(pos):
-        inv[i] = k
+    inv = _inverse(pos)
     # One host-to-device copy: batch rows in bucket order, their prompt and response lengths, and
     # where each of `rows` lands in that order (every copy waits for the GPU's queue).
     idx_all, p_all, rlen_all, inv_t = torch.tensor(
@@ -297,10 +303,7 @@ def _shared_prompt_logprobs_entropy(model, batch: dict, rows: list[int], tempera
         lps.append(torch.nn.functional.pad(logp_all.gather(-1, resp.unsqueeze(-1)).squeeze(-1) * valid, (0, T - R)))
         if need_entropy:
             ents.append(torch.nn.functional.pad(-(logp_all.exp() * logp_all).sum(-1) * valid, (0, T - R)))
-    inv = [0] * len(rows)
-    for k, i in enumerate(pos):
-        inv[i] = k
-    inv_t = torch.tensor(inv, device=dev)
+    inv_t = torch.tensor(_inverse(pos), device=dev)
     return torch.cat(lps)[inv_t], (torch.cat(ents)[inv_t] if need_entropy else None)
 
 
