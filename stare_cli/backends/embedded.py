@@ -17,9 +17,9 @@ method layer (stare_cli/method_layer.py), the same object verl's processes use. 
 
 Forwards: each row is prompt + response from position 0, right-padded, so causal attention needs
 no padding mask, and rows go through the model in length-sorted buckets, each padded only to its
-own longest row (`token_logprobs_entropy`; toy: 1.22x faster than one padded forward). Optionally
-(`backend.embedded.share_prompts`, off by default: README) the responses of a prompt share one
-forward of that prompt (its key/value cache), the same values up to float rounding. The results are reassembled in
+own longest row (`token_logprobs_entropy`; toy: 1.22x faster than one padded forward). On the CPU
+the responses of a prompt also share one forward of that prompt (its key/value cache), the same
+values up to float rounding (`backend.embedded.share_prompts`). The results are reassembled in
 batch order before the loss, so batch-level selections (STARE sets, top-entropy masks,
 Clip-Cov/KL-Cov) see the same tensors as with one forward.
 
