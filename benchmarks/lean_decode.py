@@ -13,6 +13,9 @@ unmodified modules) whose attention runs `benchmarks.engines._sdpa_gqa_forward` 
 grouped KV heads that `use_gqa_sdpa_on_cpu` switches on), full attention in every layer, the default
 rotary embedding and SiLU. Anything else returns None from `lean_decode_step`, and the caller runs
 the model's forward. On CUDA transformers keeps its own attention, so this never runs there.
+The operations follow transformers' Qwen2 code of the version window pyproject.toml pins (checked
+against 5.10.4); the parity tests compare with whatever version is installed, so a change there
+fails them rather than changing samples silently.
 """
 
 from __future__ import annotations
