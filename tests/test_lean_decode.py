@@ -108,7 +108,7 @@ def _config_variant(**changes):
 
     cfg = Qwen2Config(vocab_size=40, pad_token_id=0, eos_token_id=1, bos_token_id=None, **{**TOY_MODEL, **changes})
     m = Qwen2ForCausalLM(cfg).eval()
-    use_gqa_sdpa_on_cpu(m)
+    assert use_gqa_sdpa_on_cpu(m)  # declined for the change alone, not for the attention
     return m
 
 
