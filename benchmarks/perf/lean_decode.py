@@ -15,25 +15,18 @@ import argparse
 import statistics
 import time
 
-import torch
-
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=12)
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    from transformers import AutoModelForCausalLM
+    from benchmarks.perf._toy import toy_engine
 
     import benchmarks.lean_decode as L
-    from benchmarks.engines import HFEngine, SamplingParams, load_tokenizer, use_gqa_sdpa_on_cpu
-    from stare_cli.toy import ensure_toy_model, problems
+    from benchmarks.engines import SamplingParams
+    from stare_cli.toy import problems
 
-    path = str(ensure_toy_model("arith"))
-    tok = load_tokenizer(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    use_gqa_sdpa_on_cpu(model)
-    eng = HFEngine(model, tok, batch_size=128, max_prompt_tokens=32)
+    model, tok, eng = toy_engine(max_prompt_tokens=32)
     rows = problems(16 * (args.reps + 1), seed=5)
     sp = SamplingParams(n=8, temperature=1.0, max_new_tokens=56, seed=1)
     lean = L.lean_decode_step

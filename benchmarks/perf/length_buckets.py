@@ -14,28 +14,21 @@ from __future__ import annotations
 import argparse
 import time
 
-import torch
-
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--overheads", default="0,64,128,256,1024")
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    from transformers import AutoModelForCausalLM
+    from benchmarks.perf._toy import toy_engine
 
     import stare_cli.backends.embedded as E
-    from benchmarks.engines import HFEngine, SamplingParams, load_tokenizer, use_gqa_sdpa_on_cpu
+    from benchmarks.engines import SamplingParams
     from benchmarks.templates import build_prompt
-    from stare_cli.toy import ensure_toy_model, problems
+    from stare_cli.toy import problems
 
-    path = str(ensure_toy_model("arith"))
-    tok = load_tokenizer(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    use_gqa_sdpa_on_cpu(model)
+    model, tok, eng = toy_engine()
     prompts = [build_prompt(r["problem"], "raw", tok, False) for r in problems(16, seed=1000)]
-    eng = HFEngine(model, tok, batch_size=128)
     samples = [s for g in eng.generate(prompts, SamplingParams(n=8, max_new_tokens=56, seed=0)) for s in g]
     batch = E.pack(samples, tok.pad_token_id, "cpu")
     lens = batch["seq_len"].tolist()
