@@ -130,7 +130,7 @@ def sample_decode(model, input_ids, attention_mask, sp: SamplingParams, eos_ids:
     """Sample continuations of a left-padded batch with the KV cache, dropping each row from the
     batch (and its cache) once it emits EOS: on the CPU toy 0.35 s instead of transformers'
     generate's 0.47 s for 128 x 56 tokens, since finished rows stop costing compute (0.27 s with the
-    shared prefill below and `use_gqa_sdpa_on_cpu`; ~15% less again with the decode step of
+    shared prefill below and `use_gqa_sdpa_on_cpu`; ~20% less again with the decode step of
     `benchmarks.lean_decode`, used where it gives the model's own numbers exactly). Returns the
     new tokens per row (through the first EOS), or None when the model's cache is not a plain
     per-layer key/value cache (then the caller uses `model.generate`). With `share_prefill`, runs of

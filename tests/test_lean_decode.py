@@ -57,6 +57,28 @@ def test_lean_step_gives_the_models_logits_and_cache_bit_for_bit(dtype, padded):
             nxt = torch.multinomial(ref.float().softmax(-1), 1, generator=g).squeeze(-1)
 
 
+def test_lean_step_sees_in_place_parameter_updates():
+    """The step reads each layer's tensors once, when it is made; the optimizer updates them in place,
+    so a step made before an update still gives the updated model's logits."""
+    model = _switched()
+    step = L.lean_decode_step(model)
+    ids = torch.randint(2, 40, (2, 5), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    ref_cache, last = _prefill(model, ids, mask)
+    lean_cache = copy.deepcopy(ref_cache)
+    with torch.no_grad():
+        before = step(ids[:, -1:], torch.cat([mask, mask.new_ones(2, 1)], 1), last[:, None] + 1,
+                      copy.deepcopy(ref_cache).layers)
+        for p in model.parameters():  # what AdamW's step does: write into the same tensors
+            p.mul_(0.9).add_(0.01)
+        mask = torch.cat([mask, mask.new_ones(2, 1)], 1)
+        ref = model(input_ids=ids[:, -1:], attention_mask=mask, position_ids=last[:, None] + 1,
+                    past_key_values=ref_cache, use_cache=True).logits[:, -1]
+        ours = step(ids[:, -1:], mask, last[:, None] + 1, lean_cache.layers)
+    assert torch.equal(ours, ref) and not torch.equal(ours, before)
+
+
 def test_sampling_with_the_lean_step_equals_sampling_with_the_models_forward(quick_toy, monkeypatch):
     """The whole rollout loop (shared prefill, rows leaving at EOS, cache rows selected) samples the
     same tokens with the same log-probs either way, and the lean step is what ran."""
