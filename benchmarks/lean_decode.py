@@ -116,7 +116,8 @@ def lean_decode_step(model) -> Optional[Callable]:
         B = input_ids.shape[0]
         h = F.embedding(input_ids.view(B), emb_w, pad_idx)
         # Qwen2RotaryEmbedding.forward's operations, without its decorators and autocast context.
-        freqs = (rope.inv_freq[None, :, None].float().expand(B, -1, 1) @ position_ids[:, None, :].float()).transpose(1, 2)
+        inv_freq = rope.inv_freq[None, :, None].float().expand(B, -1, 1)
+        freqs = (inv_freq @ position_ids[:, None, :].float()).transpose(1, 2)
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = (emb.cos() * rope.attention_scaling).to(h.dtype)  # [B, 1, head_dim]
         sin = (emb.sin() * rope.attention_scaling).to(h.dtype)
