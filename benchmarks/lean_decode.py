@@ -37,13 +37,6 @@ def _rms_norm(norm, h):
     return weight * x.to(h.dtype)
 
 
-def _rotate_half(x):
-    import torch
-
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def _supported(model) -> bool:
     import torch
     from torch.nn.modules import module as torch_module
@@ -92,9 +85,11 @@ def lean_decode_step(model) -> Optional[Callable]:
         return None
     import torch
     import torch.nn.functional as F
+    from transformers.models.qwen2.modeling_qwen2 import rotate_half
 
     inner = model.model
     head_dim = inner.layers[0].self_attn.head_dim
+    gqa = model.config.num_key_value_heads != model.config.num_attention_heads
     rope = inner.rotary_emb
     emb_w, pad_idx = inner.embed_tokens.weight, inner.embed_tokens.padding_idx
     final_norm, head_w = (inner.norm.weight, inner.norm.variance_epsilon), model.lm_head.weight
@@ -133,13 +128,12 @@ def lean_decode_step(model) -> Optional[Callable]:
             q = F.linear(x, wq, bq).view(B, -1, head_dim)  # [B, heads, head_dim]
             k = F.linear(x, wk, bk).view(B, -1, head_dim)
             v = F.linear(x, wv, bv).view(B, -1, 1, head_dim)
-            q = ((q * cos) + (_rotate_half(q) * sin)).unsqueeze(2)  # [B, heads, 1, head_dim]
-            k = ((k * cos) + (_rotate_half(k) * sin)).unsqueeze(2)
+            q = ((q * cos) + (rotate_half(q) * sin)).unsqueeze(2)  # [B, heads, 1, head_dim]
+            k = ((k * cos) + (rotate_half(k) * sin)).unsqueeze(2)
             cache.keys = torch.cat([cache.keys, k], dim=-2)
             cache.values = torch.cat([cache.values, v], dim=-2)
             o = F.scaled_dot_product_attention(q, cache.keys, cache.values, attn_mask=mask, dropout_p=0.0,
-                                               scale=scaling, is_causal=False,
-                                               enable_gqa=cache.keys.shape[1] != q.shape[1])
+                                               scale=scaling, is_causal=False, enable_gqa=gqa)
             h = h + F.linear(o.transpose(1, 2).contiguous().view(B, -1), wo)
             x = _rms_norm(n2, h)
             h = h + F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)
