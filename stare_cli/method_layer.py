@@ -185,13 +185,13 @@ class MethodLayer:
         return self.spec.entro_adv or self.cfg.entropy_coef > 0
 
     # ---- 1. reward
-    def reward_function(self, workers: int = 0, start_method: Optional[str] = None):
+    def reward_function(self, workers: int = 0):
         """The recipe's reward function (benchmarks.rewards), created on first use; `close()` ends it."""
         if self._reward_fn is None:
             from benchmarks.rewards import RewardFunction
 
             self._reward_fn = RewardFunction(self.recipe.reward.fn, timeout=self.recipe.reward.timeout_s,
-                                             workers=workers, start_method=start_method)
+                                             workers=workers)
         return self._reward_fn
 
     def close(self) -> None:

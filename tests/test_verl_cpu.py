@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.timeout(900)  # verl's real trainer on the CPU: ~2-4 min a run here
+
 W = 10.0
 N = 4  # responses per prompt
 

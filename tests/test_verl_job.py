@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.timeout(900)  # a Ray cluster and a 2-step verl job: ~2 min here
+
 SMALL = ["rollout.n=4", "rollout.gen_batch_size=4", "optim.train_batch_size=4", "optim.mini_batch_size=4",
          "optim.micro_batch_size=16", "optim.total_steps=2", "eval.limit=8", "eval.n=2", "eval.every=2",
          "checkpoint.every=2", "rollout.refill=per_group", "method.stare.h_tgt=10"]

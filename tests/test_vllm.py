@@ -23,6 +23,8 @@ import torch  # noqa: E402
 from benchmarks.engines import HFEngine, SamplingParams, VLLMEngine, load_tokenizer  # noqa: E402
 from stare_cli.toy import ensure_toy_model, problems  # noqa: E402
 
+pytestmark = pytest.mark.timeout(600)  # vLLM's CPU engine starts in its fixture
+
 PROMPTS = [p["problem"] + "\n" for p in problems(8, seed=5)]
 TOL = 2e-4  # fp32 on CPU: vLLM's kernels against transformers' forward, per token log-prob
 

@@ -29,7 +29,7 @@ class StareRewardManager(RewardManagerBase):
         if recipe is None:
             raise ValueError("StareRewardManager needs the stare.recipe that `stare train --backend verl` writes")
         self.layer = layer_for(recipe)
-        self.layer.reward_function(workers=1, start_method="forkserver")
+        self.layer.reward_function(workers=1)
         self.max_response = int(config.data.max_response_length)
         vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
         self.eos = {t for t in [tokenizer.eos_token_id, vocab.get("<|im_end|>"), vocab.get("<|endoftext|>")] if t is not None}
