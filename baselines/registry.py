@@ -5,7 +5,7 @@ plus its own change, so that the method is the only axis between rows of a compa
 exceptions are stated per method (`grpo` drops dynamic sampling and clip-higher, `w-reinforce`
 uses its own advantages without dynamic sampling). A method's `defaults` are recipe keys that define
 it; they are applied over the recipe file and under `-o` overrides (by the method layer,
-stare_cli/method_layer.py, which joins this registry to the recipe schema and owns the loss dispatch).
+stare_cli/method/layer.py, which joins this registry to the recipe schema and owns the loss dispatch).
 Pure data: nothing here imports the CLI, the benchmarks or a backend.
 """
 

@@ -14,7 +14,7 @@ Deviation from the official code, stated: ties in surprisal at the threshold are
 whatever `torch.topk` returns among tied tokens. Weights are float32 (the official code stores them in
 the advantages' dtype; under bf16 advantages W = 1.1 would become 1.1015625). The selection scope
 (the whole batch, or each loss call on the current log-probs as the official code) is the caller's
-choice: call this function on what it should see (stare_cli/method_layer.py does both).
+choice: call this function on what it should see (stare_cli/method/layer.py does both).
 
 Two implementations of one selection: on CPU tensors outside autograd (the embedded backend's loss
 calls) it runs in NumPy, whose per-call cost on a micro-batch is a few microseconds where torch's is

@@ -28,7 +28,7 @@ _ABORT = (click.exceptions.Abort, typer.Abort, KeyboardInterrupt)
 _CLICK = (click.exceptions.ClickException, _tce.ClickException)
 
 from stare_cli import __version__
-from stare_cli.errors import Interrupted, StareError, UsageError
+from stare_cli.core.errors import Interrupted, StareError, UsageError
 
 app = typer.Typer(
     name="stare",
@@ -123,7 +123,7 @@ def train(
     ] = None,
 ) -> None:
     """Train one method under one recipe."""
-    from stare_cli.method_layer import load_recipe
+    from stare_cli.core.resolve import load_recipe
 
     overrides = list(override or [])
     if backend is not None:
@@ -132,7 +132,7 @@ def train(
         overrides.append(f"backend.embedded.threads={threads}")
     if shared_dir is not None:
         overrides.append(f"backend.verl.shared_dir={shared_dir.resolve()}")
-    from stare_cli.resume import plan_resume
+    from stare_cli.core.resume import plan_resume
 
     plan = None
     if restart and resume is None:
@@ -225,8 +225,8 @@ def eval_cmd(
     if wandb is not None and wandb not in ("offline", "online"):
         raise typer.BadParameter("offline or online", param_hint="--wandb")
     if regrade is not None:
-        from benchmarks.evaluate import regrade as regrade_folder
-        from benchmarks.grading import check_grader
+        from benchmarks.evaluation.evaluate import regrade as regrade_folder
+        from benchmarks.grading.graders import check_grader
 
         check_grader(grader)
         rows = {b: r["metrics"] for b, r in regrade_folder(regrade, grader, workers).items()}
@@ -235,17 +235,17 @@ def eval_cmd(
     if not bench or not model:
         raise typer.BadParameter("--bench and --model are needed (or --regrade DIR)")
     if harness == Harness.lm_eval:
-        from benchmarks import lm_eval_bridge
-        from benchmarks.evaluate import resolve_model
-        from benchmarks.registry import expand
+        from benchmarks.evaluation import lm_eval_bridge
+        from benchmarks.evaluation.evaluate import resolve_model
+        from benchmarks.data.registry import expand
 
         path, _ = resolve_model(model)
         res = lm_eval_bridge.run(path, expand(bench), out or Path("evals") / "lm-eval", n, limit, temperature, top_p,
                                  max_tokens, data_file, chat_template=template == Template.paper)
         typer.echo(json.dumps(res, indent=2))
         return
-    from benchmarks.evaluate import run_eval
-    from benchmarks.grading import check_grader
+    from benchmarks.evaluation.evaluate import run_eval
+    from benchmarks.grading.graders import check_grader
 
     check_grader(grader)  # before any model loads
     results = run_eval(model, bench, engine.value, n, limit, out, template.value, temperature, top_p, max_tokens,
@@ -287,8 +287,8 @@ def grade_audit(
     as_json: JsonOpt = False,
 ) -> None:
     """Graders side by side on saved samples: agreement per benchmark, disagreements to a file."""
-    from benchmarks.audit import DEFAULT_GRADERS, audit
-    from benchmarks.grading import check_grader
+    from benchmarks.evaluation.audit import DEFAULT_GRADERS, audit
+    from benchmarks.grading.graders import check_grader
 
     names = tuple(grader or DEFAULT_GRADERS)
     for g in names:
@@ -336,7 +336,7 @@ def compare(
     """Tables and plots of runs beside the paper's numbers."""
     import re
 
-    from stare_cli import compare as C
+    from stare_cli.analysis import compare as C
 
     if metric != "avg" and not re.fullmatch(r"(pass|maj)@\d+", metric):
         raise UsageError(f"unknown metric '{metric}'", hint="avg, pass@k or maj@k (k a number)")
@@ -391,8 +391,8 @@ def methods(as_json: JsonOpt = False) -> None:
 @recipes_app.command("list")
 def recipes_list(as_json: JsonOpt = False) -> None:
     """List the shipped recipes."""
-    from stare_cli.method_layer import load_recipe
-    from stare_cli.recipes import list_recipes
+    from stare_cli.core.resolve import load_recipe
+    from stare_cli.core.recipes import list_recipes
 
     rows = []
     for name in list_recipes():
@@ -420,8 +420,8 @@ def recipes_show(
     as_json: JsonOpt = False,
 ) -> None:
     """Print the fully resolved recipe (YAML), with method defaults and overrides applied."""
-    from stare_cli.method_layer import load_recipe
-    from stare_cli.recipes import recipe_to_yaml
+    from stare_cli.core.resolve import load_recipe
+    from stare_cli.core.recipes import recipe_to_yaml
 
     r = load_recipe(recipe, method, override)
     typer.echo(json.dumps(r.model_dump(mode="json"), indent=2) if as_json else recipe_to_yaml(r), nl=False)
@@ -441,8 +441,8 @@ def recipes_validate(
     honour (every refused key is listed). Exit 1 when any recipe is invalid."""
     from baselines.registry import METHODS
     from stare_cli.backends import refusals
-    from stare_cli.method_layer import load_recipe
-    from stare_cli.recipes import list_recipes
+    from stare_cli.core.resolve import load_recipe
+    from stare_cli.core.recipes import list_recipes
 
     names = recipes or list_recipes()
     meths: list[Optional[str]] = list(METHODS) if all_methods else [method]
@@ -473,7 +473,7 @@ def data_prepare(
 ) -> None:
     """Write verl parquet files (train + the recipe's benchmarks)."""
     from stare_cli.backends.verl_backend import prepare_data
-    from stare_cli.method_layer import load_recipe
+    from stare_cli.core.resolve import load_recipe
 
     cfg = load_recipe(recipe, None, override)
     for p in prepare_data(cfg, out or Path("data") / cfg.name.replace("/", "-"), limit):
@@ -499,7 +499,7 @@ def toy_init(
                                        "assets and print its hash for toy.SHIPPED.")] = False,
 ) -> None:
     """The toy model's directory: the shipped warm-up (hash checked), or a rebuilt one (`--rebuild`)."""
-    from stare_cli import toy
+    from benchmarks.data import toy
 
     if not rebuild:
         if seed is not None or threads is not None or force or ship:
@@ -509,7 +509,7 @@ def toy_init(
     path = toy.build_toy(task.value, seed=seed, force=force, threads=threads)
     if ship:
         dest, digest = toy.ship(task.value, path)
-        print(f"shipped {dest}; set SHIPPED[{task.value!r}] = {digest!r} in stare_cli/toy.py", file=sys.stderr)
+        print(f"shipped {dest}; set SHIPPED[{task.value!r}] = {digest!r} in benchmarks/data/toy.py", file=sys.stderr)
     typer.echo(str(path))
 
 
@@ -520,7 +520,7 @@ def toy_strategies(
 ) -> None:
     """The explore toy's exploration measure: how often each method's samples take the rare
     (subtract-first) order that hard problems need, and the accuracy within each order, over seeds."""
-    from stare_cli.toy import strategy_table
+    from stare_cli.analysis.strategies import strategy_table
 
     typer.echo(strategy_table(sweep_dir, bench), nl=False)
 
@@ -544,7 +544,7 @@ def sweep(
     shared_dir: Annotated[Optional[Path], typer.Option(help="verl --emit-script: a directory every node sees.")] = None,
 ) -> None:
     """A methods x seeds grid under one recipe: resumable (run it again), then the table and plots."""
-    from stare_cli.sweep import SweepSpec, run_sweep
+    from stare_cli.analysis.sweep import SweepSpec, run_sweep
 
     spec = SweepSpec(recipe=recipe, methods=tuple(dict.fromkeys(method)), seeds=tuple(dict.fromkeys(seed)),
                      overrides=tuple(override or []), backend=backend.value if backend else None,
@@ -572,7 +572,7 @@ def demo(
     """The main job on CPU: GRPO-ds vs STARE-O1 on the toy (a preset of `stare sweep`), then the table and plot.
 
     `-o model.path=DIR` runs it from a rebuilt warm-up (`stare toy init --rebuild --seed N` prints DIR)."""
-    from stare_cli.demo import run_demo
+    from stare_cli.analysis.demo import run_demo
 
     run_demo(out=out, steps=steps, seeds=seed or [1], overrides=list(override or []), parallel=parallel)
 
@@ -582,7 +582,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     """Run the CLI; return the exit code (0 ok, 1 domain error, 2 usage, 130 SIGINT, 143 SIGTERM)."""
     import signal
 
-    from stare_cli.signals import terminate_as_interrupt
+    from stare_cli.core.signals import terminate_as_interrupt
 
     main_thread = threading.current_thread() is threading.main_thread()
     old_term = signal.signal(signal.SIGTERM, terminate_as_interrupt) if main_thread else None  # unwind, exit 143

@@ -43,7 +43,7 @@ def quick_toy(tmp_path_factory):
     would differ from CPU to CPU by float rounding: one on an AVX-512 machine ended with accuracy 0."""
     import shutil
 
-    from stare_cli.toy import ensure_toy_model
+    from benchmarks.data.toy import ensure_toy_model
 
     path = tmp_path_factory.mktemp("quick_toy") / "arith"
     shutil.copytree(ensure_toy_model("arith"), path)
@@ -55,7 +55,7 @@ def quick_tool_toy(tmp_path_factory):
     """The tool toy after a short warm-up (200 steps): it calls the Python tool in some responses."""
     import torch
 
-    from stare_cli.toy import build_model, build_tokenizer, sft
+    from benchmarks.data.toy import build_model, build_tokenizer, sft
 
     path = tmp_path_factory.mktemp("quick_tool_toy")
     torch.set_num_threads(1)

@@ -24,8 +24,9 @@ from baselines import (
 )
 from baselines.losses import gspo_token_losses, kl_cov_loss, ppo_clip_token_losses
 from baselines.registry import METHODS, UnknownMethodError, lookup_method
-from stare_cli.errors import StareError
-from stare_cli.method_layer import LossInputs, MethodLayer, check_method, load_recipe
+from stare_cli.core.errors import StareError
+from stare_cli.method.layer import LossInputs, MethodLayer
+from stare_cli.core.resolve import check_method, load_recipe
 
 
 # ------------------------------------------------------------------------------------ advantages
@@ -492,7 +493,7 @@ def test_registry_names_and_did_you_mean():
 
 @pytest.mark.parametrize("name", list(METHODS))
 def test_every_method_loss_is_finite_and_differentiable(name):
-    from stare_cli.method_layer import StareState
+    from stare_cli.method.layer import StareState
 
     layer = MethodLayer.from_recipe(load_recipe(None, name))
     new, old, adv, mask = _batch(4, dtype=torch.float32)

@@ -178,7 +178,7 @@ def test_ci_over_seeds_and_over_problems(cli, tmp_path):
 
 
 def test_pass_at_k_legend_labels_are_distinct(tmp_path):
-    from stare_cli.compare import Result, legend_labels
+    from stare_cli.analysis.compare import Result, legend_labels
 
     rs = [Result("stare-o1", 1, str(tmp_path / "a")), Result("stare-o1", 1, str(tmp_path / "b")),
           Result("grpo-ds", 1, str(tmp_path / "c"))]
@@ -187,7 +187,7 @@ def test_pass_at_k_legend_labels_are_distinct(tmp_path):
 
 
 def test_pass_at_k_curves_average_a_labels_seeds_with_an_interval(tmp_path):
-    from stare_cli.compare import Result, passk_curves
+    from stare_cli.analysis.compare import Result, passk_curves
 
     def r(label, seed, p1, p4, src):
         return Result(label, seed, str(tmp_path / src), metrics={"aime24": {"pass@1": p1, "pass@2": p1 + 5, "pass@4": p4}})

@@ -165,9 +165,9 @@ def test_hf_engine_stops_at_tool_blocks_and_masks_observations(quick_toy, monkey
     observation tokens get loss-mask 0 (the toy writes "a+b=" often; "+" opens and "=" closes here)."""
     from transformers import AutoModelForCausalLM
 
-    from benchmarks import tools as T
-    from benchmarks.engines import HFEngine, SamplingParams, load_tokenizer
-    from stare_cli.sandbox import Limits
+    from benchmarks.generation import tools as T
+    from benchmarks.generation.engines import HFEngine, SamplingParams, load_tokenizer
+    from benchmarks.generation.sandbox import Limits
 
     monkeypatch.setitem(T.FORMATS, "markdown", ("+", "="))
     tok = load_tokenizer(str(quick_toy))

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.grading import Grader, extract_answer, grade
-from benchmarks.metrics import benchmark_metrics, majority_correct, pass_at_k
-from benchmarks.registry import BENCHMARKS, PAPER_ORDER, expand, load_benchmark
-from benchmarks.templates import INSTRUCTION, build_prompt
+from benchmarks.grading.graders import Grader, extract_answer, grade
+from benchmarks.evaluation.metrics import benchmark_metrics, majority_correct, pass_at_k
+from benchmarks.data.registry import BENCHMARKS, PAPER_ORDER, expand, load_benchmark
+from benchmarks.generation.templates import INSTRUCTION, build_prompt
 from conftest import FIXTURE_DATA, REPO, full_benchmarks
 
 
@@ -133,7 +133,7 @@ def test_paper_expands_in_order_and_local_dir(monkeypatch):
 def test_hub_failure_says_how_to_use_a_local_file(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "STARE_DATA_DIR"}
     env.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
-    p = subprocess.run([sys.executable, "-c", "from benchmarks.registry import load_benchmark; load_benchmark('aime24')"],
+    p = subprocess.run([sys.executable, "-c", "from benchmarks.data.registry import load_benchmark; load_benchmark('aime24')"],
                        capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
     assert p.returncode != 0
     assert "cannot load HuggingFaceH4/aime_2024" in p.stderr and "--data-file" in p.stderr and "STARE_DATA_DIR" in p.stderr
@@ -142,7 +142,7 @@ def test_hub_failure_says_how_to_use_a_local_file(tmp_path):
 # ------------------------------------------------------------------------------ end to end (CLI)
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from stare_cli.toy import make_random_init
+    from benchmarks.data.toy import make_random_init
 
     return make_random_init(tmp_path_factory.mktemp("tiny_eval_model"))
 
@@ -220,7 +220,7 @@ def test_eval_killed_midway_resumes_to_the_same_results(cli, tmp_path, tiny_mode
 def test_lm_eval_task_files_point_at_the_same_data_and_grader(tmp_path):
     import yaml
 
-    from benchmarks.lm_eval_bridge import UTILS, write_tasks
+    from benchmarks.evaluation.lm_eval_bridge import UTILS, write_tasks
 
     class _Loader(yaml.SafeLoader):
         pass
@@ -252,7 +252,7 @@ def test_openai_engine_against_a_local_stub_server():
     import http.server
     import threading
 
-    from benchmarks.engines import OpenAIEngine, SamplingParams
+    from benchmarks.generation.engines import OpenAIEngine, SamplingParams
 
     seen = []
 
@@ -288,7 +288,7 @@ def test_hf_engine_stops_at_every_eos_the_model_declares(tiny_model):
     """Chat models end turns with a token that is not the tokenizer's eos (e.g. <|im_end|>)."""
     from transformers import AutoModelForCausalLM
 
-    from benchmarks.engines import HFEngine, SamplingParams, load_tokenizer
+    from benchmarks.generation.engines import HFEngine, SamplingParams, load_tokenizer
 
     tok = load_tokenizer(str(tiny_model))
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
@@ -308,7 +308,7 @@ def test_pruning_decode_loop_matches_transformers_generate_greedily(quick_toy):
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from benchmarks.engines import SamplingParams, load_tokenizer, sample_decode
+    from benchmarks.generation.engines import SamplingParams, load_tokenizer, sample_decode
 
     tok = load_tokenizer(str(quick_toy))
     model = AutoModelForCausalLM.from_pretrained(quick_toy, dtype=torch.float32).eval()
@@ -333,7 +333,7 @@ def test_shared_prefill_samples_what_separate_prefills_sample(quick_toy):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from benchmarks.engines import SamplingParams, load_tokenizer, sample_decode
+    from benchmarks.generation.engines import SamplingParams, load_tokenizer, sample_decode
 
     tok = load_tokenizer(str(quick_toy))
     model = AutoModelForCausalLM.from_pretrained(quick_toy, dtype=torch.float32).eval()
@@ -356,7 +356,7 @@ def test_shared_prefill_samples_what_separate_prefills_sample(quick_toy):
 def test_sampling_filters_follow_transformers_order():
     import torch
 
-    from benchmarks.engines import _filter_logits
+    from benchmarks.generation.engines import _filter_logits
 
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     # top-k 2 keeps the two largest
@@ -387,7 +387,7 @@ def test_other_settings_never_delete_samples_and_write_results_beside(cli, tmp_p
 def test_every_generation_setting_enters_the_key_and_tool_less_keys_stay_stable():
     from dataclasses import replace
 
-    from benchmarks.evaluate import EvalSettings
+    from benchmarks.evaluation.evaluate import EvalSettings
 
     base = EvalSettings(model="m", bench="aime24", template="paper", n=4, temperature=1.0, top_p=0.7,
                         max_tokens=100, seed=0, engine="hf")
@@ -447,7 +447,7 @@ def test_unwritable_out_and_missing_data_dir_files_say_what_to_do(cli, tmp_path,
 
 
 def test_majority_votes_on_answers_the_grader_calls_equal():
-    from benchmarks.grading import judge
+    from benchmarks.grading.graders import judge
 
     same = lambda a, b: judge(a, b)[0]  # noqa: E731
     answers = ["\\frac{1}{2}", "0.5", "3", "1/2", "3"]
@@ -457,7 +457,7 @@ def test_majority_votes_on_answers_the_grader_calls_equal():
 
 
 def test_bootstrap_interval_brackets_the_mean():
-    from benchmarks.metrics import bootstrap_ci
+    from benchmarks.evaluation.metrics import bootstrap_ci
 
     vals = [1.0] * 30 + [0.0] * 70
     lo, hi = bootstrap_ci(vals)

@@ -8,9 +8,10 @@ import random
 import pytest
 import torch
 
-from benchmarks.engines import GQA_SDPA, Sample, use_gqa_sdpa_on_cpu
-from stare_cli.backends.embedded import length_buckets, pack, token_logprobs_entropy
-from stare_cli.toy import build_model
+from benchmarks.generation.attention import GQA_SDPA, use_gqa_sdpa_on_cpu
+from benchmarks.generation.engines import Sample
+from stare_cli.backends.forward import length_buckets, pack, token_logprobs_entropy
+from benchmarks.data.toy import build_model
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +114,7 @@ def test_gqa_sdpa_switch_keeps_padded_batch_logits():
 
 
 def test_empty_responses_score_zero(model, monkeypatch):
-    import stare_cli.backends.embedded as E
+    import stare_cli.backends.forward as E
 
     monkeypatch.setattr(E, "BUCKET_OVERHEAD_TOKENS", 0)  # every length its own bucket
     # Two rows with a prompt and no response (same prompt length: their own bucket) beside a normal row.
@@ -185,7 +186,7 @@ def test_shared_prompt_forward_gives_the_row_forwards_gradients(model, monkeypat
     by O(1) of its norm: far outside."""
     import copy
 
-    import stare_cli.backends.embedded as E
+    import stare_cli.backends.forward as E
 
     samples = _grouped_samples(8, 4, seed=6)
     batch = pack(samples, pad_id=0, device="cpu")
@@ -208,7 +209,7 @@ def test_shared_prompt_forward_gives_the_row_forwards_gradients(model, monkeypat
 
 
 def test_rows_without_a_shared_prompt_take_the_row_path(model, monkeypatch):
-    import stare_cli.backends.embedded as E
+    import stare_cli.backends.forward as E
 
     monkeypatch.setattr(E, "_shared_prompt_logprobs_entropy", lambda *a: pytest.fail("nothing to share"))
     samples = _grouped_samples(4, 3, seed=7)

@@ -1,4 +1,4 @@
-"""Our grader (`math-verify`, benchmarks/grading.py) class by class, and against plain math-verify:
+"""Our grader (`math-verify`, benchmarks/grading/graders.py) class by class, and against plain math-verify:
 on our own case set (tests/fixtures/grading_cases.jsonl, each class of the defects found in review),
 our grader must not lose a case plain math-verify's defaults get right, except the cases where plain
 math-verify is wrong (documented in PLAIN_IS_WRONG)."""
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from benchmarks.grading import Grader, grade
+from benchmarks.grading.graders import Grader, grade
 from conftest import REPO
 
 CASES = [json.loads(x) for x in (REPO / "tests" / "fixtures" / "grading_cases.jsonl").read_text().splitlines()]

@@ -1,4 +1,4 @@
-"""The rollout's lean decode step (benchmarks/lean_decode.py) gives the model's own numbers bit for
+"""The rollout's lean decode step (benchmarks/generation/lean_decode.py) gives the model's own numbers bit for
 bit, and declines every model it does not reproduce exactly."""
 
 from __future__ import annotations
@@ -8,9 +8,10 @@ import copy
 import pytest
 import torch
 
-import benchmarks.lean_decode as L
-from benchmarks.engines import SamplingParams, load_tokenizer, sample_decode, use_gqa_sdpa_on_cpu
-from stare_cli.toy import build_model
+import benchmarks.generation.lean_decode as L
+from benchmarks.generation.attention import use_gqa_sdpa_on_cpu
+from benchmarks.generation.engines import SamplingParams, load_tokenizer, sample_decode
+from benchmarks.data.toy import build_model
 
 
 def _switched(seed: int = 3, dtype=torch.float32):
@@ -126,7 +127,7 @@ def _plain_sdpa():
 def _config_variant(**changes):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from stare_cli.toy import TOY_MODEL
+    from benchmarks.data.toy import TOY_MODEL
 
     cfg = Qwen2Config(vocab_size=40, pad_token_id=0, eos_token_id=1, bos_token_id=None, **{**TOY_MODEL, **changes})
     m = Qwen2ForCausalLM(cfg).eval()

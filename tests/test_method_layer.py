@@ -1,15 +1,12 @@
-"""The method layer (stare_cli/method_layer.py): the official STARE loss call reproduced on the same
+"""The method layer (stare_cli/method/layer.py): the official STARE loss call reproduced on the same
 micro-batches, one rollout batch through the embedded path and through verl's driver + actor loss
 path (identical for every method and both scopes), the reward, dynamic sampling, and the import rules
 that keep the layers apart."""
 
 from __future__ import annotations
 
-import ast
 import random
-from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from torch.testing import assert_close
@@ -17,8 +14,8 @@ from torch.testing import assert_close
 from baselines import Agg, token_budget_micro_batches
 from baselines.registry import METHODS
 from benchmarks.perf.official_reference import official_loss, official_weights
-from conftest import REPO
-from stare_cli.method_layer import BatchInputs, LossInputs, MethodLayer, StareState, load_recipe
+from stare_cli.method.layer import BatchInputs, LossInputs, MethodLayer
+from stare_cli.core.resolve import load_recipe
 
 
 # ---------------------------------------------------------------------------- a rollout batch
@@ -276,69 +273,3 @@ def test_dynamic_sampling_filters_on_accuracy_not_on_the_shaped_reward():
     keep, dropped = layer.keep_groups(acc, torch.tensor([0, 0, 1, 1, 2]))
     assert keep.tolist() == [False, False, False, False, True] and dropped == 2
     assert MethodLayer.from_recipe(load_recipe("tiny/arith", "grpo")).keep_groups(acc, torch.zeros(5))[0].all()
-
-
-# ------------------------------------------------------------------------------------ import rules
-PACKAGES = ("baselines", "benchmarks", "stare_cli")
-
-
-def _imports(path: Path, top_level_only: bool) -> set[str]:
-    tree = ast.parse(path.read_text())
-    nodes = tree.body if top_level_only else list(ast.walk(tree))
-    out = set()
-    for node in nodes:
-        if isinstance(node, ast.Import):
-            out |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            out.add(node.module)
-            out |= {f"{node.module}.{a.name}" for a in node.names}
-    return {m for m in out if m.split(".")[0] in PACKAGES}
-
-
-def _modules() -> dict[str, Path]:
-    mods = {}
-    for pkg in PACKAGES:
-        for p in (REPO / pkg).rglob("*.py"):
-            rel = p.relative_to(REPO).with_suffix("")
-            name = ".".join(rel.parts).removesuffix(".__init__")
-            mods[name] = p
-    return mods
-
-
-def test_import_rules():
-    mods = _modules()
-    for name, path in mods.items():
-        imps = _imports(path, top_level_only=False)
-        if name.startswith("baselines"):
-            assert not {i for i in imps if i.startswith(("stare_cli", "benchmarks"))}, (name, imps)
-        if name.startswith("benchmarks") and not name.startswith("benchmarks.perf"):  # perf scripts time a backend
-            assert not {i for i in imps if i.startswith(("stare_cli.backends", "stare_cli.cli"))}, (name, imps)
-        if name in ("stare_cli.config", "stare_cli.recipes"):
-            assert not {i for i in imps if i.startswith("baselines")}, (name, imps)
-        if name not in ("stare_cli.cli", "stare_cli.__main__"):
-            assert "stare_cli.cli" not in imps, name
-
-
-def test_no_import_cycles_at_module_level():
-    mods = _modules()
-
-    def resolve(imp: str):
-        while imp and imp not in mods:
-            imp = imp.rpartition(".")[0]
-        return imp or None
-
-    graph = {n: {r for i in _imports(p, top_level_only=True) if (r := resolve(i)) and r != n} for n, p in mods.items()}
-    state: dict[str, int] = {}
-
-    def visit(n: str, stack: list[str]) -> None:
-        state[n] = 1
-        for m in sorted(graph[n]):
-            if state.get(m) == 1:
-                raise AssertionError("import cycle: " + " -> ".join([*stack[stack.index(m):], m]))
-            if m not in state:
-                visit(m, [*stack, m])
-        state[n] = 2
-
-    for n in sorted(graph):
-        if n not in state:
-            visit(n, [n])

@@ -19,7 +19,8 @@ from conftest import REPO, SHARED
 from stare_cli.backends.verl_backend import (
     OFFICIAL_DIFFERENCES, compose, official_difference, official_differences_markdown, verl_overrides,
 )
-from stare_cli.method_layer import MethodLayer, load_recipe
+from stare_cli.method.layer import MethodLayer
+from stare_cli.core.resolve import load_recipe
 
 OFFICIAL = SHARED / "paper" / "official"
 METHODS = ["stare-o1", "grpo-ds"]

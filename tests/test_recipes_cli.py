@@ -198,7 +198,7 @@ def test_plain_install_ships_recipes(tmp_path):
         check=True, capture_output=True, timeout=600,
     )
     code = (
-        "import sys; from stare_cli.recipes import recipes_root; from stare_cli.cli import main;"
+        "import sys; from stare_cli.core.recipes import recipes_root; from stare_cli.cli import main;"
         "print(recipes_root()); sys.exit(main(['recipes', 'validate']))"
     )
     work = tmp_path / "elsewhere"

@@ -74,7 +74,7 @@ def test_truncated_latest_falls_back_to_the_previous_checkpoint_with_a_warning(c
 
 
 def test_a_checkpoint_without_its_manifest_is_not_used(tmp_path):
-    from stare_cli.runs import checkpoint_problem, usable_checkpoint
+    from stare_cli.core.runs import checkpoint_problem, usable_checkpoint
 
     ck = tmp_path / "checkpoints" / "step-000001"
     ck.mkdir(parents=True)
@@ -110,10 +110,10 @@ def test_overrides_that_change_what_the_run_is_are_refused_by_name(cli, tmp_path
 
 
 def test_verl_refuses_an_lr_change_on_resume(tmp_path):
-    from stare_cli.method_layer import load_recipe
-    from stare_cli.recipes import recipe_to_yaml
-    from stare_cli.errors import StareError
-    from stare_cli.resume import plan_resume
+    from stare_cli.core.resolve import load_recipe
+    from stare_cli.core.recipes import recipe_to_yaml
+    from stare_cli.core.errors import StareError
+    from stare_cli.core.resume import plan_resume
 
     run = tmp_path / "run"
     run.mkdir()
@@ -191,8 +191,8 @@ def test_a_second_signal_stops_at_once_without_a_checkpoint(tmp_path, quick_toy)
 # ------------------------------------------------------------------- run dirs, caches, durability
 def _make_dir(args) -> str:
     root, barrier_time = args
-    from stare_cli.method_layer import load_recipe
-    from stare_cli.runs import new_run_dir
+    from stare_cli.core.resolve import load_recipe
+    from stare_cli.core.runs import new_run_dir
 
     cfg = load_recipe("tiny/arith", "grpo-ds")
     while time.time() < barrier_time:  # all processes create at the same moment
@@ -210,7 +210,7 @@ def test_processes_creating_run_dirs_at_once_never_share_one(tmp_path):
 
 def _build_counting(args) -> bool:
     path, counter = args
-    from stare_cli.toy import build_once
+    from benchmarks.data.cache import build_once
 
     def build(tmp: Path) -> None:
         with open(counter, "a") as f:
@@ -236,7 +236,7 @@ def test_checkpoint_files_are_fsynced_before_latest_moves(tmp_path, quick_toy, m
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from stare_cli.backends import embedded
+    from stare_cli.backends import checkpoints
 
     model = AutoModelForCausalLM.from_pretrained(quick_toy)
     tok = AutoTokenizer.from_pretrained(quick_toy)
@@ -248,7 +248,7 @@ def test_checkpoint_files_are_fsynced_before_latest_moves(tmp_path, quick_toy, m
                                                    real_fsync(fd))[1])
     monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", str(b))), real_replace(a, b))[1])
     (tmp_path / "checkpoints").mkdir()
-    final = embedded.save_checkpoint(tmp_path, 7, model, tok, opt, sched, {"step": 7, "cursor": 0}, keep_last=2)
+    final = checkpoints.save_checkpoint(tmp_path, 7, model, tok, opt, sched, {"step": 7, "cursor": 0}, keep_last=2)
     latest_at = events.index(("replace", str(tmp_path / "checkpoints" / "latest")))
     synced_before = {p for kind, p in events[:latest_at] if kind == "fsync"}
     tmp = str(tmp_path / "checkpoints" / ".tmp-step-000007")

@@ -21,8 +21,8 @@ from typing import Optional
 import pytest
 
 from conftest import REPO
-from stare_cli import sandbox
-from stare_cli.sandbox import Limits, run_python
+from benchmarks.generation import sandbox
+from benchmarks.generation.sandbox import Limits, run_python
 
 L = Limits(cpu_s=2, wall_s=6, memory_mb=256, output_bytes=4096)
 
@@ -233,7 +233,7 @@ def test_a_call_dies_with_its_killed_caller():
     marker = f"29.{os.getpid()}"
     prog = textwrap.dedent(f"""
         import sys; sys.path.insert(0, {str(REPO)!r})
-        from stare_cli.sandbox import run_python, Limits
+        from benchmarks.generation.sandbox import run_python, Limits
         run_python("import subprocess; subprocess.run(['sleep', '{marker}'])", Limits(wall_s=60, cpu_s=60))
     """)
     caller = subprocess.Popen([sys.executable, "-c", prog])
@@ -298,7 +298,7 @@ def test_exceptions_are_observations():
 
 # ------------------------------------------------------------------------------- fails closed
 def test_without_isolation_nothing_runs_and_training_refuses(cli, tmp_path, monkeypatch):
-    from stare_cli.errors import StareError
+    from stare_cli.core.errors import StareError
 
     monkeypatch.setitem(sandbox._PROBLEM, None, "unshare: Operation not permitted")
     probe = tmp_path / "ran"
@@ -362,7 +362,7 @@ def test_escape_probes_as_an_unprivileged_caller(tmp_path):
     prog = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(REPO)!r})
-        from stare_cli.sandbox import Limits, run_python
+        from benchmarks.generation.sandbox import Limits, run_python
         o = run_python({code!r}, Limits(python="/usr/bin/python3", cpu_s=2, wall_s=6))
         print(o.status, o.isolation)
         print(o.output)

@@ -133,7 +133,7 @@ def _setting(folder: Path, key: str, n: int, limit: int, avg: float, grader: str
 def test_eval_summary_reads_every_setting_of_a_folder_once_per_run(tmp_path):
     """An in-training evaluation (n=2) and a final one (n=4) land in one folder as two settings; both
     count. The same protocol evaluated twice (another limit) counts once per run: n stays the seeds."""
-    from stare_cli.sweep import eval_summary
+    from stare_cli.analysis.sweep import eval_summary
 
     runs = []
     for seed, (a, b) in enumerate([(10.0, 20.0), (30.0, 40.0)], start=1):
@@ -154,7 +154,7 @@ def test_eval_summary_reads_every_setting_of_a_folder_once_per_run(tmp_path):
 
 
 def test_pass_at_k_over_training_is_drawn_only_with_two_steps(tmp_path):
-    from stare_cli.plots import plot_evals_over_training
+    from stare_cli.analysis.plots import plot_evals_over_training
 
     one = {"m": {"toy:arith n=4 step=10": {"pass@1": {"mean": 1.0, "ci95": [0.5, 1.5]}}}}
     assert plot_evals_over_training(one, tmp_path / "x") == []
@@ -184,7 +184,7 @@ def test_demo_runs_from_another_warm_up_and_prints_its_verdicts(cli, tmp_path, q
 def test_a_cell_that_prints_more_than_a_pipe_holds_still_finishes(tmp_path, monkeypatch):
     """A cell's stdout goes to a file: a cell that prints 1 MB (a pipe holds 64 KB, and the sweep reads
     a cell's output only once it exits) finishes, and its last line still names its run directory."""
-    from stare_cli import sweep
+    from stare_cli.analysis import sweep
 
     script = "for _ in range(10000): print('x' * 100)\nprint('/runs/the-run-dir')\n"
     monkeypatch.setattr(sweep, "_train_command", lambda *a, **k: [sys.executable, "-c", script])

@@ -10,10 +10,10 @@ import torch
 
 from baselines import stare_token_weights
 from baselines.losses import ppo_clip_loss
-from benchmarks.engines import Sample
-from benchmarks.tools import ToolSpec, find_call, multiturn, observation_text
-from stare_cli.backends.embedded import pack
-from stare_cli.sandbox import Limits
+from benchmarks.generation.engines import Sample
+from benchmarks.generation.tools import ToolSpec, find_call, multiturn, observation_text
+from stare_cli.backends.forward import pack
+from benchmarks.generation.sandbox import Limits
 
 enc = lambda s: [ord(c) for c in s]  # noqa: E731  a character-level "tokenizer" for the scripted model
 dec = lambda ids: "".join(chr(i) for i in ids if i < 0x110000)  # noqa: E731
@@ -91,7 +91,7 @@ def test_masked_observation_tokens_stay_out_of_loss_entropy_and_stare():
 
 def test_eval_with_tools_flag_runs(cli, tmp_path):
     from conftest import FIXTURE_DATA
-    from stare_cli.toy import make_random_init
+    from benchmarks.data.toy import make_random_init
 
     model = make_random_init(tmp_path / "m")
     code, out, err = cli("eval", "--bench", "amc23", "--model", str(model), "--limit", "2", "-n", "1",
@@ -105,7 +105,7 @@ def test_eval_with_tools_flag_runs(cli, tmp_path):
 def test_tiny_tool_recipe_trains_through_the_cli(cli, tmp_path):
     """The tool toy after a short warm-up already calls the tool sometimes; two RL steps run with
     real sandboxed calls, and the observation tokens are masked in the saved samples' accounting."""
-    from stare_cli.toy import build_model, build_tokenizer, sft
+    from benchmarks.data.toy import build_model, build_tokenizer, sft
 
     torch.set_num_threads(1)
     tok = build_tokenizer("tool")
@@ -144,7 +144,7 @@ QWEN_LIKE = (
 
 
 def _qwen_like_tokenizer():
-    from stare_cli.toy import build_tokenizer
+    from benchmarks.data.toy import build_tokenizer
 
     tok = build_tokenizer()
     tok.chat_template = QWEN_LIKE
@@ -153,7 +153,7 @@ def _qwen_like_tokenizer():
 
 
 def test_hermes_calls_are_parsed_and_malformed_ones_named():
-    from benchmarks.tools import InvalidCall
+    from benchmarks.generation.tools import InvalidCall
 
     call = '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(6*7)"}}\n</tool_call>'
     assert find_call("Let me compute.\n" + call, "hermes") == "print(6*7)"
@@ -184,8 +184,8 @@ def test_hermes_rollout_appends_the_chat_templates_tool_turn_and_answers_bad_cal
 
 
 def test_hermes_prompt_is_the_chat_templates_tools_section_as_verl_renders_it():
-    from benchmarks.templates import build_prompt
-    from benchmarks.tools import SCHEMA
+    from benchmarks.generation.templates import build_prompt
+    from benchmarks.generation.tools import SCHEMA
 
     tok = _qwen_like_tokenizer()
     spec = ToolSpec(format="hermes")

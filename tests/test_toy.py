@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from stare_cli import toy
-from stare_cli.errors import StareError
+from benchmarks.data import toy
+from stare_cli.analysis import strategies
+from stare_cli.core.errors import StareError
 
 
 @pytest.mark.parametrize("task", sorted(toy.SHIPPED))
@@ -66,7 +67,7 @@ def test_explore_problems_split_by_kind_and_hard_add_first_solutions_forget_the_
 
 
 def test_demo_verdicts_count_seeds_per_claim():
-    from stare_cli.demo import verdicts
+    from stare_cli.analysis.demo import verdicts
 
     def s(end, slope, mean):
         return {"entropy_end": end, "slope_2nd_half_per_100": slope, "entropy_2nd_half_mean": mean}
@@ -80,15 +81,15 @@ def test_demo_verdicts_count_seeds_per_claim():
 
 
 def test_explore_strategy_reads_the_first_step():
-    assert toy.explore_strategy("first 11+12=23, then 23-4=19. \\boxed{19}") == "add-first"
-    assert toy.explore_strategy("we get 12 - 4 = 8 and 8 +11 =19. \\boxed{19}") == "sub-first"
-    assert toy.explore_strategy("\\boxed{19}") is None  # no step written
+    assert strategies.explore_strategy("first 11+12=23, then 23-4=19. \\boxed{19}") == "add-first"
+    assert strategies.explore_strategy("we get 12 - 4 = 8 and 8 +11 =19. \\boxed{19}") == "sub-first"
+    assert strategies.explore_strategy("\\boxed{19}") is None  # no step written
     rows = [{"response": "12-4=8, 8+11=19", "correct": True}, {"response": "12-4=9, 9+11=20", "correct": False},
             {"response": "11+12=13, 13-4=9", "correct": False}, {"response": "\\boxed{1}", "correct": False}]
-    s = toy.strategy_share(rows)
+    s = strategies.strategy_share(rows)
     # 2 of 4 subtract first (1 of them right), 1 of 4 adds first (wrong), 1 writes no step
     assert (s.samples, s.sub_first, s.add_first, s.acc_sub_first, s.acc_add_first) == (4, 0.5, 0.25, 0.5, 0.0)
-    assert toy.strategy_share(rows[3:]).acc_sub_first is None
+    assert strategies.strategy_share(rows[3:]).acc_sub_first is None
 
 
 def _sweep_with_strategies(root: Path, shares: dict[tuple[str, int], tuple[int, int]]) -> Path:

@@ -17,8 +17,9 @@ from baselines.registry import METHODS
 from conftest import FIXTURE_DATA
 from stare_cli.backends.verl_backend import TABLE, compose, refusals, verl_overrides
 from stare_cli.backends.verl_ext import driver_step
-from stare_cli.config import Recipe
-from stare_cli.method_layer import MethodLayer, load_recipe
+from stare_cli.core.config import Recipe
+from stare_cli.method.layer import MethodLayer
+from stare_cli.core.resolve import load_recipe
 
 SCENARIOS = ["short-cot/qwen2.5-math-7b", "short-cot/qwen2.5-14b-instruct", "short-cot/qwen2.5-32b",
              "long-cot/r1-distill-qwen-1.5b", "long-cot/qwen3-8b", "tool-use/qwen2.5-7b"]
@@ -264,7 +265,7 @@ def _reward_item(tok, response: str, gold: str, max_len: int):
 def test_reward_manager_is_the_method_layers_score(quick_toy):
     from omegaconf import OmegaConf
 
-    from benchmarks.engines import load_tokenizer
+    from benchmarks.generation.engines import load_tokenizer
     from stare_cli.backends.verl_reward import StareRewardManager
 
     tok = load_tokenizer(str(quick_toy))
@@ -301,7 +302,7 @@ def test_tool_config_loads_through_verls_loader_and_runs_our_sandbox(tmp_path):
     assert [k for k, _ in refusals(md)] == ["rollout.tools.format"]  # markdown blocks: refused by name on verl
     sp = load_recipe("tool-use/qwen2.5-7b", "stare-o1", [*PER_GROUP, "rollout.tools.system_prompt=Use Python."])
     assert [k for k, _ in refusals(sp)] == ["rollout.tools.system_prompt"]
-    from stare_cli.backends.embedded import tool_limits
+    from benchmarks.generation.tools import tool_limits
 
     (tmp_path / "tools.yaml").write_text(yaml.safe_dump(tool_config(tool_limits(cfg.rollout.tools))))
     (tool,) = initialize_tools_from_config(str(tmp_path / "tools.yaml"))  # verl's own loader
@@ -365,7 +366,7 @@ def test_hf_rollout_server_batches_requests_and_takes_weights(quick_toy):
 
 def test_resume_refuses_run_directories_stare_did_not_create(cli, tmp_path):
     """verl's checkpoint loaders unpickle: a folder without our meta.json is not resumed."""
-    from stare_cli.recipes import recipe_to_yaml
+    from stare_cli.core.recipes import recipe_to_yaml
 
     run = tmp_path / "foreign"
     (run / "checkpoints").mkdir(parents=True)

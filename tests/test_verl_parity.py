@@ -142,7 +142,8 @@ def test_registered_layer_loss_equals_verl_builtins(seed, method, verl_fn, cfg_k
     """Our policy loss in verl's registry (`stare_layer`, the method layer's loss) gives verl's own
     numbers for the methods verl also implements, with the recipe's parameters."""
     from stare_cli.backends.verl_ext import _CALL, _Call
-    from stare_cli.method_layer import MethodLayer, load_recipe
+    from stare_cli.method.layer import MethodLayer
+    from stare_cli.core.resolve import load_recipe
 
     layer = MethodLayer.from_recipe(load_recipe("short-cot/qwen2.5-math-7b", method))
     new, old, adv, mask = _inputs(seed)

@@ -20,8 +20,8 @@ vllm = pytest.importorskip("vllm", reason="the real vLLM runs in .venv-vllm: `ma
 
 import torch  # noqa: E402
 
-from benchmarks.engines import HFEngine, SamplingParams, VLLMEngine, load_tokenizer  # noqa: E402
-from stare_cli.toy import ensure_toy_model, problems  # noqa: E402
+from benchmarks.generation.engines import HFEngine, SamplingParams, VLLMEngine, load_tokenizer  # noqa: E402
+from benchmarks.data.toy import ensure_toy_model, problems  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)  # vLLM's CPU engine starts in its fixture
 
@@ -158,9 +158,9 @@ def test_colocated_rollout_samples_the_trainers_current_weights_and_resume_resto
 
 
 def test_tool_calls_run_through_vllm_turns(tmp_path):
-    from benchmarks.tools import ToolSpec
-    from stare_cli.sandbox import Limits
-    from stare_cli.toy import tool_problems
+    from benchmarks.generation.tools import ToolSpec
+    from benchmarks.generation.sandbox import Limits
+    from benchmarks.data.toy import tool_problems
 
     path = ensure_toy_model("tool")
     eng = VLLMEngine(str(path), dtype="float32", max_model_len=128, colocate=True, seed=0)

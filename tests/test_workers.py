@@ -11,13 +11,12 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 
 import pytest
 
-from benchmarks.workers import WorkerPool
+from benchmarks.grading.workers import WorkerPool
 from conftest import REPO
 
 HELD = threading.Lock()  # held by a thread of the owner while its workers start (see below)
@@ -113,8 +112,8 @@ def test_close_ends_workers_that_ignore_sigterm_and_returns():
 CHILD = """
 import signal, sys, threading, time
 sys.path.insert(0, {repo!r})
-from benchmarks.grading import Grader
-from stare_cli.signals import terminate_as_interrupt
+from benchmarks.grading.graders import Grader
+from stare_cli.core.signals import terminate_as_interrupt
 
 stop = threading.Event()
 threads = [threading.Thread(target=lambda: [time.sleep(0.001) for _ in iter(stop.is_set, True)], daemon=True)
@@ -145,7 +144,7 @@ def test_a_grader_in_a_threaded_cli_process_closes_cleanly_every_time():
 
 @pytest.mark.parametrize("workers", [1, 3])
 def test_the_grader_pool_gives_the_in_process_verdicts(workers):
-    from benchmarks.grading import Grader
+    from benchmarks.grading.graders import Grader
 
     responses = ["\\boxed{3}", "\\boxed{\\frac{1}{2}}", "the answer is 0.5", "nothing", "\\boxed{x^2+1}"]
     golds = ["3", "0.5", "1/2", "4", "1+x^2"]

@@ -11,8 +11,9 @@ def toy_engine(batch_size: int = 128, max_prompt_tokens: Optional[int] = None):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from benchmarks.engines import HFEngine, load_tokenizer, use_gqa_sdpa_on_cpu
-    from stare_cli.toy import ensure_toy_model
+    from benchmarks.generation.attention import use_gqa_sdpa_on_cpu
+    from benchmarks.generation.engines import HFEngine, load_tokenizer
+    from benchmarks.data.toy import ensure_toy_model
 
     torch.set_num_threads(1)
     path = str(ensure_toy_model("arith"))

@@ -20,7 +20,7 @@ import random
 import time
 from pathlib import Path
 
-from benchmarks.grading import GRADERS, Grader, grade
+from benchmarks.grading.graders import GRADERS, Grader, grade
 
 REPO = Path(__file__).resolve().parents[2]
 SHARED = REPO.parent / "shared" / "data" / "benchmarks"

@@ -1,4 +1,4 @@
-"""The toy rollout with the lean decode step (benchmarks/lean_decode.py) vs the model's own forward at
+"""The toy rollout with the lean decode step (benchmarks/generation/lean_decode.py) vs the model's own forward at
 every decode step, alternating in one run on the same prompts and seeds. Prints each side's median
 rollout time, their ratio, and whether the two sampled the same tokens with the same log-probs.
 
@@ -22,9 +22,9 @@ def main() -> None:
     args = ap.parse_args()
     from benchmarks.perf._toy import toy_engine
 
-    import benchmarks.lean_decode as L
-    from benchmarks.engines import SamplingParams
-    from stare_cli.toy import problems
+    import benchmarks.generation.lean_decode as L
+    from benchmarks.generation.engines import SamplingParams
+    from benchmarks.data.toy import problems
 
     model, tok, eng = toy_engine(max_prompt_tokens=32)
     rows = problems(16 * (args.reps + 1), seed=5)

@@ -1,7 +1,7 @@
 """Training forward+backward of one toy rollout batch: one padded forward vs length-sorted buckets
 (`length_buckets`) at several per-bucket overheads, alternating in one run. Prints each setting's
 median time and its ratio to the single forward; `BUCKET_OVERHEAD_TOKENS` in
-stare_cli/backends/embedded.py is chosen from this.
+stare_cli/backends/forward.py is chosen from this.
 
     python benchmarks/perf/length_buckets.py [--reps 7]
 
@@ -22,10 +22,10 @@ def main() -> None:
     args = ap.parse_args()
     from benchmarks.perf._toy import toy_engine
 
-    import stare_cli.backends.embedded as E
-    from benchmarks.engines import SamplingParams
-    from benchmarks.templates import build_prompt
-    from stare_cli.toy import problems
+    import stare_cli.backends.forward as E
+    from benchmarks.generation.engines import SamplingParams
+    from benchmarks.generation.templates import build_prompt
+    from benchmarks.data.toy import problems
 
     model, tok, eng = toy_engine()
     prompts = [build_prompt(r["problem"], "raw", tok, False) for r in problems(16, seed=1000)]

@@ -76,7 +76,8 @@ def batch_scope(args) -> None:
 
 
 def official_scope(args) -> None:
-    from stare_cli.method_layer import MethodLayer, StareState, load_recipe
+    from stare_cli.method.layer import MethodLayer, StareState
+    from stare_cli.core.resolve import load_recipe
 
     d = args.device
     g = torch.Generator().manual_seed(0)

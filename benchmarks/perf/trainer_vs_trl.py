@@ -33,9 +33,9 @@ torch.set_num_threads(1)
 from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 from transformers import Qwen2ForCausalLM, TrainerCallback
-from benchmarks.engines import load_tokenizer
-from benchmarks.grading import Grader
-from stare_cli.toy import problems
+from benchmarks.generation.engines import load_tokenizer
+from benchmarks.grading.graders import Grader
+from benchmarks.data.toy import problems
 model_dir, steps, out_dir = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 tok = load_tokenizer(model_dir)
 rows = problems(4000, seed=1000)
@@ -117,7 +117,7 @@ def main() -> None:
         return
     if not args.trl_python.exists():
         raise SystemExit(f"{args.trl_python} not found: run with --setup first")
-    from stare_cli.toy import ensure_toy_model
+    from benchmarks.data.toy import ensure_toy_model
 
     model_dir = str(ensure_toy_model("arith"))
     res = {"ours": [], "trl": []}

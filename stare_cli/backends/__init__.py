@@ -8,8 +8,8 @@ nothing is translated or dropped silently.
 
 from __future__ import annotations
 
-from stare_cli.config import Recipe
-from stare_cli.errors import StareError
+from stare_cli.core.config import Recipe
+from stare_cli.core.errors import StareError
 
 
 def refusals(cfg: Recipe, backend: str | None = None) -> list[tuple[str, str]]:

@@ -8,7 +8,7 @@ One table, `TABLE`, says for every recipe key what verl does with it: translated
 `check()` fails validation naming the key (`stare recipes validate R --backend verl`); nothing is
 translated silently. `verl_overrides()` is built from the same table, and tests check it key by key.
 
-Every method runs from the method layer (stare_cli/method_layer.py): the resolved recipe travels in
+Every method runs from the method layer (stare_cli/method/layer.py): the resolved recipe travels in
 verl's own config (`+stare.recipe`), our extension (verl_ext.py, imported in every verl process)
 rebuilds the layer from it with the same constructor and runs rewards (a verl reward manager),
 advantages, the controller and the batch transform (verl's driver) and the policy loss (verl's actor,
@@ -27,12 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from stare_cli.config import Recipe
-from stare_cli.errors import StareError
-from benchmarks.registry import dir_name
+from stare_cli.core.config import Recipe
+from stare_cli.core.errors import StareError
+from benchmarks.data.registry import dir_name
 
 if TYPE_CHECKING:
-    from stare_cli.resume import ResumePlan
+    from stare_cli.core.resume import ResumePlan
 
 EXT_MODULE = "stare_cli.backends.verl_ext"
 LOSS_MODE = "stare_layer"  # our policy loss in verl's registry: the method layer's loss
@@ -116,7 +116,7 @@ def _refuse_refill(cfg: Recipe) -> Optional[tuple[str, str]]:
 
 
 def _templates(cfg: Recipe) -> dict[str, Any]:
-    from stare_cli.toy import RAW_CHAT_TEMPLATE
+    from benchmarks.data.toy import RAW_CHAT_TEMPLATE
 
     t = cfg.data.template.value
     if t in ("raw", "plain") or cfg.model.chat_template == "none":
@@ -139,7 +139,7 @@ def _eval(cfg: Recipe) -> dict[str, Any]:
 def _eval_protocol(cfg: Recipe) -> Optional[tuple[int, float, float]]:
     """(n, temperature, top_p) shared by every benchmark evaluated during training, None without
     benchmarks; raises ValueError listing the benchmarks when they differ."""
-    from benchmarks.registry import check_benchmark
+    from benchmarks.data.registry import check_benchmark
 
     E = cfg.eval
     if not E.benchmarks:
@@ -409,7 +409,7 @@ def compose(overrides: list[str]):
 
 def describe(cfg: Recipe) -> list[str]:
     """What the method layer will run inside verl (for --dry-run): method, reward, STARE's values."""
-    from stare_cli.method_layer import MethodLayer
+    from stare_cli.method.layer import MethodLayer
 
     layer = MethodLayer.from_recipe(cfg)
     m = cfg.method
@@ -469,9 +469,9 @@ def prepare_data(cfg: Recipe, out_dir: Path, limit: Optional[int] = None) -> lis
     training data and the recipe's evaluation benchmarks."""
     import pandas as pd
 
-    from benchmarks.registry import load_benchmark
-    from benchmarks.templates import with_instruction
-    from stare_cli.backends.embedded import load_prompts
+    from benchmarks.data.registry import load_benchmark
+    from benchmarks.generation.templates import with_instruction
+    from benchmarks.data.prompts import load_prompts
 
     def frame(rows: list[dict], source: str, split: str) -> "pd.DataFrame":
         recs = []
@@ -498,14 +498,14 @@ def prepare_data(cfg: Recipe, out_dir: Path, limit: Optional[int] = None) -> lis
 
 def resume_point(run_dir: Path) -> tuple[int, Optional[Path]]:
     """(last checkpointed step, the data folder the run used) of a verl run directory."""
-    from stare_cli.errors import StareError
+    from stare_cli.core.errors import StareError
 
     if not (run_dir / "meta.json").exists():
         # verl's checkpoint loaders unpickle: only run directories stare created (and that you trust)
         raise StareError(f"--resume: '{run_dir}' is not a run directory stare created (no meta.json)",
                          hint="resume only run directories you trust: verl's checkpoint loading runs pickle")
-    from stare_cli.resume import no_checkpoint_error
-    from stare_cli.runs import atomic_write_text
+    from stare_cli.core.resume import no_checkpoint_error
+    from stare_cli.core.runs import atomic_write_text
 
     tracker = run_dir / "checkpoints" / "latest_checkpointed_iteration.txt"
     steps = sorted((int(p.name.rsplit("_", 1)[1]) for p in (run_dir / "checkpoints").glob("global_step_*")
@@ -535,8 +535,8 @@ def run(cfg: Recipe, out_root: Path, dry_run: bool = False, emit_script: Optiona
     import subprocess
     import sys
 
-    from stare_cli.errors import StareError
-    from stare_cli.runs import new_run_dir, write_run_meta
+    from stare_cli.core.errors import StareError
+    from stare_cli.core.runs import new_run_dir, write_run_meta
 
     check(cfg)
     if dry_run:
@@ -554,7 +554,7 @@ def run(cfg: Recipe, out_root: Path, dry_run: bool = False, emit_script: Optiona
         out_root = shared / "runs"
         data_dir = data_dir or shared / "data" / cfg.name.replace("/", "-")
     if cfg.model.path.startswith("toy:"):  # verl needs a model directory (on a cluster: a copy under the shared dir)
-        from stare_cli.backends.embedded import resolve_model_path
+        from benchmarks.data.models import resolve_model_path
 
         path = Path(resolve_model_path(cfg.model.path))
         if shared is not None:
@@ -567,8 +567,8 @@ def run(cfg: Recipe, out_root: Path, dry_run: bool = False, emit_script: Optiona
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": str(path)})})
     resumed_at = None
     if resume is not None:
-        from stare_cli.resume import set_aside
-        from stare_cli.runs import atomic_write_text, read_jsonl
+        from stare_cli.core.resume import set_aside
+        from stare_cli.core.runs import atomic_write_text, read_jsonl
 
         run_dir = Path(resume.run_dir)
         if resume.restart:
@@ -591,15 +591,15 @@ def run(cfg: Recipe, out_root: Path, dry_run: bool = False, emit_script: Optiona
 
         from stare_cli.backends.verl_tools import tool_config
 
-        from stare_cli.backends.embedded import tool_limits
-        from stare_cli.sandbox import require_isolation
+        from benchmarks.generation.tools import tool_limits
+        from benchmarks.generation.sandbox import require_isolation
 
         limits = tool_limits(cfg.rollout.tools)
         require_isolation(limits)  # here too, before the job starts (the workers check again)
         (run_dir / "tools.yaml").write_text(yaml.safe_dump(tool_config(limits)))
-    from stare_cli.method_layer import MethodLayer
+    from stare_cli.method.layer import MethodLayer
 
-    from stare_cli.runs import record_config
+    from stare_cli.core.runs import record_config
 
     if resumed_at is None:  # a new run, or a restart: meta.json describes this start
         write_run_meta(run_dir, cfg, {"backend": "verl", "overrides": overrides,

@@ -235,7 +235,7 @@ class HFServer:
         torch.manual_seed(seed)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
                                                           trust_remote_code=trust_remote_code).eval()
-        from benchmarks.engines import use_gqa_sdpa_on_cpu
+        from benchmarks.generation.attention import use_gqa_sdpa_on_cpu
 
         use_gqa_sdpa_on_cpu(self.model)
         gc = GenerationConfig.from_model_config(self.model.config)

@@ -1,4 +1,4 @@
-"""Our methods inside verl 0.9.x, through the method layer (stare_cli/method_layer.py).
+"""Our methods inside verl 0.9.x, through the method layer (stare_cli/method/layer.py).
 
 Imported in every verl process (VERL_USE_EXTERNAL_MODULES and actor_rollout_ref.model.external_lib name
 this module). It registers our policy loss (`stare_layer`) in verl's loss registry and patches verl's
@@ -43,7 +43,7 @@ def layer_for(recipe: Any):
     """The method layer of a serialised recipe (a dict or OmegaConf node), one per process and recipe."""
     from omegaconf import DictConfig, OmegaConf
 
-    from stare_cli.method_layer import MethodLayer
+    from stare_cli.method.layer import MethodLayer
 
     if isinstance(recipe, DictConfig):
         recipe = OmegaConf.to_container(recipe, resolve=True)
@@ -78,7 +78,7 @@ def driver_step(layer, recipe: dict, uids: list, rm_scores: torch.Tensor, respon
     """Controller update and batch transform for one batch of padded [B, T] tensors (uids: [B] group
     ids as verl keeps them). The controller sees the token-mean entropy over the response mask, the
     number verl logs as actor/entropy under token-mean aggregation."""
-    from stare_cli.method_layer import BatchInputs
+    from stare_cli.method.layer import BatchInputs
 
     index = {u: i for i, u in enumerate(dict.fromkeys(uids))}
     m = response_mask.float()
@@ -185,7 +185,7 @@ def _install_driver() -> None:  # pragma: no cover - runs inside verl's driver (
 def _step_text_metrics(trainer, layer, texts: list[str], rewards: list[float], uids: list) -> dict[str, float]:
     """The reflection-word rate of the batch and, every logging.samples_every steps, a samples file
     (the embedded backend's samples/step-N.jsonl), from the decoded responses."""
-    from benchmarks.metrics import reflection_rate
+    from benchmarks.evaluation.metrics import reflection_rate
 
     L = layer.recipe.logging
     step = trainer.global_steps
@@ -269,7 +269,7 @@ def verl_agg(loss_agg_mode: str, config: Any):
 def layer_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
                       rollout_is_weights=None):
     """verl's policy-loss signature around the method layer's loss (registered as `stare_layer`)."""
-    from stare_cli.method_layer import LossInputs
+    from stare_cli.method.layer import LossInputs
 
     call = _CALL.get()
     if call is None:
@@ -294,7 +294,7 @@ def wrap_ppo_loss(orig):
         from verl.utils import tensordict_utils as tu
         from verl.workers.utils.padding import no_padding_2_padding
 
-        from stare_cli.method_layer import StareState
+        from stare_cli.method.layer import StareState
 
         payload = tu.get_non_tensor_data(data=data, key=LAYER_KEY, default=None)
         if payload is None:
@@ -329,7 +329,7 @@ def _install_actor() -> None:
 
 def _plain_tokenizer_support() -> None:
     """Models whose tokenizer is a plain `tokenizers` object (the CPU toy's; see
-    benchmarks.engines.load_tokenizer): transformers 5's AutoTokenizer picks a class from the model
+    benchmarks.generation.engines.load_tokenizer): transformers 5's AutoTokenizer picks a class from the model
     type (Qwen2Tokenizer) and drops their pre-tokenizer, and verl's agent loop picks the ChatML
     boundary handling from the model type, which needs <|im_end|>. Both are steered to the generic
     path for such tokenizers only; every other model loads exactly as verl does it."""
@@ -338,7 +338,7 @@ def _plain_tokenizer_support() -> None:
     from verl.utils.tokenizer import continuous_token_wiring
     from verl.utils.tokenizer import tokenizer as verl_tok
 
-    from benchmarks.engines import is_plain_tokenizer, load_tokenizer
+    from benchmarks.generation.engines import is_plain_tokenizer, load_tokenizer
 
     orig_tok = verl_tok.hf_tokenizer
     if not getattr(orig_tok, "_stare", False):

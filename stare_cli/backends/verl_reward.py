@@ -1,6 +1,6 @@
 """The method layer's reward as a verl reward manager (verl 0.9's reward loop), so a verl run scores
 responses exactly as the embedded backend does: the recipe's reward function, truncation rule,
-format penalty and overlong shaping (stare_cli/method_layer.py, `score`).
+format penalty and overlong shaping (stare_cli/method/layer.py, `score`).
 
 verl_backend.py points `reward.reward_manager` here by package (`pkg://stare_cli.backends.verl_reward`,
 class StareRewardManager), so nothing refers to a path on the submitting machine. The recipe comes from

@@ -13,8 +13,8 @@ from uuid import uuid4
 from verl.tools.base_tool import BaseTool
 from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
 
-from benchmarks.tools import SCHEMA  # the one definition of the tool, as the embedded backend's hermes prompt shows it
-from stare_cli.sandbox import Limits, require_isolation, run_python
+from benchmarks.generation.tools import SCHEMA  # the one definition of the tool, as the embedded backend's hermes prompt shows it
+from benchmarks.generation.sandbox import Limits, require_isolation, run_python
 
 class SandboxTool(BaseTool):  # verl's tool interface
     def __init__(self, config: dict, tool_schema: Optional[OpenAIFunctionToolSchema] = None):

@@ -1,0 +1,389 @@
+"""`stare eval`: generate, grade, score; resumable, re-gradable and traceable.
+
+Per (model, benchmark) the output folder holds:
+- `samples.jsonl`: one row per sample. Its `key` hashes every generation setting (model, benchmark,
+  template, n, temperature, top_p, max tokens, seed, engine, limit, tools), so runs with other settings
+  add their own rows beside the old ones; no run deletes rows. Each row keeps the verdict of every
+  grader that graded it (`verdicts`, by `name@version`) and, at top level, the latest one.
+- `results/<key>-<grader>.json`: the metrics of one setting under one grader; `results.json` is the
+  latest of them (what `stare compare` reads).
+Problems are processed in fixed chunks whose sampling seed depends only on the chunk, so an
+interrupted evaluation resumes by redoing only chunks not fully on disk and ends with the same
+results. Samples graded by another grader are graded again, never generated again
+(`stare eval --regrade DIR --grader NAME` does only that). Data problems are found before any model
+loads (`check_inputs`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+from benchmarks.generation.engines import SamplingParams
+from benchmarks.grading.graders import Grader, judge
+from benchmarks.evaluation.metrics import REFLECTION_WORDS, benchmark_metrics, reflection_rate
+from benchmarks.data.registry import BENCHMARKS, dir_name, load_benchmark
+from benchmarks.generation.templates import build_prompt
+from stare_cli.core.errors import StareError
+from stare_cli.core.runs import atomic_write_text, environment_summary, read_jsonl
+
+CHUNK = 8  # problems per generation call; fixed so resumed runs sample identically
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    model: str
+    bench: str
+    template: str
+    n: int
+    temperature: float
+    top_p: float
+    max_tokens: int
+    seed: int
+    engine: str
+    limit: Optional[int] = None
+    tools: Optional[str] = None  # the tool the model may call ("python"), or None
+
+    def key(self) -> str:
+        """A hash of every generation setting: samples of different settings never mix. (`tools` enters
+        only when set, so the keys of tool-less evaluations are those written before it existed.)"""
+        fields = {k: v for k, v in asdict(self).items() if not (k == "tools" and v is None)}
+        blob = json.dumps(fields, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+class ProgressLine:
+    """Progress as plain lines (done/total, rate, ETA) where there is no terminal: log files too."""
+
+    def __init__(self, name: str, total: int, done: int = 0, every_s: float = 10.0, stream=None):
+        self.name, self.total, self.done, self.every_s = name, total, done, every_s
+        self.stream = stream or sys.stderr
+        self.t0 = self.last = time.time()
+        self.start_done = done
+
+    def advance(self, k: int) -> None:
+        self.done += k
+        now = time.time()
+        if now - self.last >= self.every_s or self.done >= self.total:
+            self.last = now
+            rate = (self.done - self.start_done) / max(now - self.t0, 1e-9)
+            eta = (self.total - self.done) / rate if rate > 0 else float("inf")
+            eta_txt = f"{int(eta // 60)}m{int(eta % 60):02d}s" if eta != float("inf") else "?"
+            print(f"{self.name}: {self.done}/{self.total} problems, {rate:.2f}/s, ETA {eta_txt}", file=self.stream,
+                  flush=True)
+
+
+def _verdict_fields(v, finished: bool) -> dict:
+    return {"extracted": v.extracted, "method": v.method, "correct": bool(v.correct and finished),
+            "reason": v.reason if finished else "truncated", "grader": v.grader}
+
+
+def _grade_rows(rows: list[dict], grader: Grader) -> list[dict]:
+    """Give every row this grader's verdict (kept beside other graders' in `verdicts`, and at top
+    level); rows it already graded are not graded again."""
+    stale = [r for r in rows if grader.tag not in r.get("verdicts", {})]
+    if stale:
+        for r, v in zip(stale, grader.grade_many([r["response"] for r in stale], [r["gold"] for r in stale])):
+            r.setdefault("verdicts", {})[grader.tag] = _verdict_fields(v, r["finished"])
+    for r in rows:
+        r.update(r["verdicts"][grader.tag])
+    return rows
+
+
+def _same_answer():
+    """Answer equivalence for maj@k: our grader's judgement, memoised."""
+    memo: dict[tuple[str, str], bool] = {}
+
+    def same(a: str, b: str) -> bool:
+        if (a, b) not in memo:
+            memo[(a, b)] = memo[(b, a)] = judge(a, b)[0]
+        return memo[(a, b)]
+
+    return same
+
+
+def write_results(out_dir: Path, s: EvalSettings, rows: list[dict], grader: Grader, words, data: str,
+                  elapsed: float = 0.0) -> dict:
+    """Metrics of one setting's rows under one grader: results/<key>-<grader>.json and results.json."""
+    by_problem: dict[int, list[dict]] = {}
+    for r in rows:
+        by_problem.setdefault(r["idx"], []).append(r)
+    per_problem = []
+    for idx in sorted(by_problem):
+        ss = sorted(by_problem[idx], key=lambda r: r["sample"])[: s.n]
+        per_problem.append({
+            "correct": [r["correct"] for r in ss], "answers": [r["extracted"] for r in ss],
+            "lengths": [r["length"] for r in ss], "finished": [r["finished"] for r in ss],
+            "reflection": sum(reflection_rate([r["response"]], words) for r in ss) / len(ss),
+            "tool_calls": [r.get("tool_calls", 0) for r in ss],
+        })
+    spec = BENCHMARKS[s.bench]
+    results = {
+        "benchmark": s.bench, "benchmark_version": spec.version, "settings": asdict(s), "key": s.key(),
+        "grader": grader.tag,
+        "protocol": {"n": s.n, "temperature": s.temperature, "top_p": s.top_p, "template": s.template,
+                     "max_tokens": s.max_tokens, "paper_protocol": s.n == spec.n and s.temperature == spec.temperature
+                     and s.top_p == spec.top_p and s.limit is None},
+        "data": data, "metrics": benchmark_metrics(per_problem, same=_same_answer()), "elapsed_s": elapsed,
+        "environment": environment_summary(),
+    }
+    text = json.dumps(results, indent=2)
+    atomic_write_text(out_dir / "results" / f"{s.key()}-{grader.spec.name}.json", text)
+    atomic_write_text(out_dir / "results.json", text)
+    return results
+
+
+def evaluate_benchmark(engine, tokenizer, s: EvalSettings, out_dir: Path, grader: Grader,
+                       data_file: Optional[str] = None, use_chat_template: bool = True, progress=None,
+                       reflection_words: Optional[list[str]] = None, tools=None, rows: Optional[list[dict]] = None) -> dict:
+    """Evaluate one benchmark into out_dir; returns the results dict (also written as results.json).
+    `rows`: the benchmark's problems when already loaded (check_inputs)."""
+    words = reflection_words or REFLECTION_WORDS
+    if rows is None:
+        rows = load_benchmark(s.bench, limit=s.limit, data_file=data_file)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    samples_path = out_dir / "samples.jsonl"
+    key = s.key()
+    done: dict[tuple[int, int], dict] = {}
+    others = []  # rows of other settings: kept as they are
+    for r in read_jsonl(samples_path):
+        if r.get("key") == key:
+            done[(r["idx"], r["sample"])] = r
+        else:
+            others.append(r)
+    # Keep only whole chunks (a crash may have left part of one).
+    chunks = [rows[i: i + CHUNK] for i in range(0, len(rows), CHUNK)]
+    complete = {ci for ci, ch in enumerate(chunks) if all((r["idx"], j) in done for r in ch for j in range(s.n))}
+    kept = [done[(r["idx"], j)] for ci in sorted(complete) for r in chunks[ci] for j in range(s.n)]
+    atomic_write_text(samples_path, "".join(json.dumps(r) + "\n" for r in [*others, *kept]))
+    task = progress.add_task(f"{s.bench}", total=len(rows)) if progress else None
+    line = None if progress is not None and progress.console.is_terminal else \
+        ProgressLine(s.bench, len(rows), sum(len(chunks[ci]) for ci in complete))
+    if progress:
+        progress.update(task, completed=sum(len(chunks[ci]) for ci in complete))
+    t0 = time.time()
+    for ci, chunk in enumerate(chunks):
+        if ci in complete:
+            continue
+        prompts = [build_prompt(r["problem"], s.template, tokenizer, use_chat_template, tools) for r in chunk]
+        sp = SamplingParams(n=s.n, temperature=s.temperature, top_p=s.top_p, top_k=-1, max_new_tokens=s.max_tokens,
+                            seed=s.seed * 1_000_003 + ci)
+        groups = engine.generate(prompts, sp, tools) if tools is not None else engine.generate(prompts, sp)
+        new = [{"key": key, "idx": r["idx"], "sample": j, "prompt": p, "response": smp.text, "gold": r["answer"],
+                "finished": smp.finished, "length": len(smp.response_ids) if smp.response_ids else len(smp.text.split()),
+                "tool_calls": smp.tool_calls, "tool_errors": smp.tool_errors}
+               for r, p, g in zip(chunk, prompts, groups) for j, smp in enumerate(g)]
+        _grade_rows(new, grader)
+        with open(samples_path, "a") as f:  # one write per chunk; a torn chunk is redone on resume
+            f.write("".join(json.dumps(r) + "\n" for r in new))
+            f.flush()
+        if progress:
+            progress.update(task, advance=len(chunk))
+        if line is not None:
+            line.advance(len(chunk))
+    all_rows = read_jsonl(samples_path)
+    mine = [r for r in all_rows if r.get("key") == key]
+    if any(grader.tag not in r.get("verdicts", {}) for r in mine):  # saved samples of another grader
+        _grade_rows(mine, grader)
+        atomic_write_text(samples_path, "".join(json.dumps(r) + "\n" for r in all_rows))
+    return write_results(out_dir, s, mine, grader, words, str(data_file) if data_file else "hub or STARE_DATA_DIR",
+                         time.time() - t0)
+
+
+def regrade(folder: Path, grader_name: str = "math-verify", workers: Optional[int] = None) -> dict[str, dict]:
+    """Grade the saved samples under `folder` (one benchmark folder, or a folder of them) with a
+    grader, with no generation; new results are written beside the old. Returns {bench: results}."""
+    folder = Path(folder)
+    benches = [folder] if (folder / "samples.jsonl").exists() else sorted(p.parent for p in folder.glob("*/samples.jsonl"))
+    if not benches:
+        raise StareError(f"{folder}: no samples.jsonl here or in its subfolders", hint="point at a `stare eval` output")
+    out: dict[str, dict] = {}
+    with Grader(workers=workers, name=grader_name) as grader:
+        for bench_dir in benches:
+            rows = read_jsonl(bench_dir / "samples.jsonl")
+            settings = _settings_by_key(bench_dir)
+            for key in dict.fromkeys(r["key"] for r in rows):
+                if key not in settings:
+                    raise StareError(f"{bench_dir}: no results file records the settings of samples {key}",
+                                     hint="re-run `stare eval` with the same settings once")
+                mine = _grade_rows([r for r in rows if r["key"] == key], grader)
+                s = settings[key]
+                out[s.bench] = write_results(bench_dir, s, mine, grader, REFLECTION_WORDS, "regraded")
+            atomic_write_text(bench_dir / "samples.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    return out
+
+
+def latest_grader_results(bench_dir: Path) -> list[dict]:
+    """Every setting evaluated into `bench_dir`, as its results/<key>-<grader>.json under the grader
+    of the latest results.json, oldest first ([] when the folder holds no readable results)."""
+    try:
+        grader = json.loads((bench_dir / "results.json").read_text())["grader"].split("@")[0]
+        files = [f for f in (bench_dir / "results").glob("*.json") if f.name.split("-", 1)[-1] == f"{grader}.json"]
+        return [json.loads(f.read_text()) for f in sorted(files, key=lambda f: f.stat().st_mtime)]
+    except (OSError, ValueError, KeyError):
+        return []
+
+
+def _settings_by_key(bench_dir: Path) -> dict[str, EvalSettings]:
+    found = {}
+    for p in [bench_dir / "results.json", *sorted((bench_dir / "results").glob("*.json"))]:
+        if p.exists():
+            res = json.loads(p.read_text())
+            found[res["key"]] = EvalSettings(**res["settings"])
+    return found
+
+
+def resolve_model(model: str) -> tuple[str, Optional[Path]]:
+    """(path or hub id, run directory when the model is a training checkpoint)."""
+    if model.startswith("toy:"):
+        from benchmarks.data.toy import ensure_toy_model
+
+        return str(ensure_toy_model(model.split(":", 1)[1])), None
+    p = Path(model)
+    if (p / "checkpoints" / "latest").exists():
+        p = p / "checkpoints" / "latest"
+    if p.exists():
+        real = p.resolve()
+        run = real.parent.parent if real.parent.name == "checkpoints" else None
+        return str(real), run
+    return model, None
+
+
+def check_inputs(benches: list[str], limit: Optional[int], data_file: Optional[str], out: Path) -> dict[str, list[dict]]:
+    """Everything that can fail before a model loads: every benchmark's data (file and line of a bad
+    row, an empty file, a missing file in STARE_DATA_DIR) and a writable output folder."""
+    rows = {b: load_benchmark(b, limit=limit, data_file=data_file) for b in benches}
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-test-{time.time_ns()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise StareError(f"--out {out}: cannot write there ({e.strerror})",
+                         hint="choose a folder you can write, e.g. --out evals/my-model") from None
+    return rows
+
+
+def run_eval(model: str, benches: list[str], engine_name: str = "auto", n: Optional[int] = None,
+             limit: Optional[int] = None, out: Optional[Path] = None, template: str = "paper",
+             temperature: Optional[float] = None, top_p: Optional[float] = None, max_tokens: Optional[int] = None,
+             seed: int = 0, data_file: Optional[str] = None, base_url: Optional[str] = None, workers: Optional[int] = None,
+             device: str = "auto", batch_size: int = 64, dtype: str = "auto", tools: Optional[str] = None,
+             vllm_kwargs: Optional[dict] = None, grader: str = "math-verify",
+             wandb_mode: Optional[str] = None, unsafe_no_sandbox: bool = False) -> dict[str, dict]:
+    """Evaluate `model` on `benches`; returns {bench: results}. Progress on stderr (a bar on a
+    terminal, lines with rate and ETA otherwise)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from benchmarks.data.registry import check_benchmark, expand
+
+    benches = expand(benches)
+    for b in benches:
+        check_benchmark(b)
+    if data_file and len(benches) > 1:
+        raise StareError("--data-file names one benchmark's file", hint="use STARE_DATA_DIR for several")
+    tool_spec = None
+    if tools:
+        from benchmarks.generation.tools import ToolSpec
+        from benchmarks.generation.sandbox import Limits, require_isolation
+
+        if tools != "python":
+            raise StareError(f"unknown tool '{tools}'", hint="the available tool is 'python'")
+        tool_spec = ToolSpec(limits=Limits(unsafe_no_isolation=unsafe_no_sandbox))
+        require_isolation(tool_spec.limits)  # fail closed before the model loads
+    elif unsafe_no_sandbox:
+        raise StareError("--unsafe-no-sandbox applies to --tools python", hint="drop it, or add --tools python")
+    path, run_dir = resolve_model(model)
+    if out is None:
+        out = (run_dir / "eval" / Path(path).name) if run_dir else Path("evals") / path.strip("/").replace("/", "__")
+    data = check_inputs(benches, limit, data_file, out)  # before the model loads
+    if engine_name == "auto":
+        engine_name = _auto_engine()
+    engine, tok = _make_engine(engine_name, path, base_url, device, batch_size, dtype, vllm_kwargs or {})
+    results = {}
+    grading = Grader(workers=workers, name=grader)
+    console = Console(stderr=True)
+    try:
+        with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=console, disable=not console.is_terminal) as prog:
+            for b in benches:
+                spec = BENCHMARKS[b]
+                s = EvalSettings(model=path, bench=b, template=template, n=n or spec.n,
+                                 temperature=spec.temperature if temperature is None else temperature,
+                                 top_p=spec.top_p if top_p is None else top_p, max_tokens=max_tokens or spec.max_tokens,
+                                 seed=seed, engine=engine_name, limit=limit, tools=tools)
+                results[b] = evaluate_benchmark(engine, tok, s, out / dir_name(b), grading, data_file=data_file, progress=prog,
+                                                tools=tool_spec, rows=data[b])
+                if not console.is_terminal:
+                    m = results[b]["metrics"]
+                    avg = m[f"avg@{m['n']}"]
+                    print(f"{b}: avg@{m['n']} {avg:.1f}", file=sys.stderr, flush=True)
+    finally:
+        grading.close()
+    summary = {"model": path, "out": str(out), "grader": grading.tag,
+               "benchmarks": {b: r["metrics"] for b, r in results.items()}}
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
+    if wandb_mode:
+        log_to_wandb(summary, out, wandb_mode)
+    return results
+
+
+def log_to_wandb(summary: dict, out: Path, mode: str) -> None:
+    """The evaluation's metrics as one wandb run (`mode`: offline or online), files under `out`."""
+    import wandb
+
+    run = wandb.init(project="stare-eval", name=f"{Path(summary['model']).name}", dir=str(out), mode=mode,
+                     config={"model": summary["model"], "grader": summary["grader"]}, reinit=True)
+    run.log({f"{b}/{k}": v for b, m in summary["benchmarks"].items() for k, v in m.items()
+             if isinstance(v, (int, float))})
+    run.finish()
+
+
+def _auto_engine() -> str:
+    try:
+        import torch
+
+        import vllm  # noqa: F401
+
+        return "vllm" if torch.cuda.is_available() else "hf"
+    except ImportError:
+        return "hf"
+
+
+def _make_engine(name: str, path: str, base_url: Optional[str], device: str, batch_size: int, dtype: str,
+                 vllm_kwargs: dict):
+    from benchmarks.generation.attention import use_gqa_sdpa_on_cpu
+    from benchmarks.generation.engines import HFEngine, OpenAIEngine, VLLMEngine, load_tokenizer
+
+    if name == "openai":
+        if not base_url:
+            raise StareError("--engine openai needs --base-url", hint="e.g. --base-url http://localhost:8000/v1")
+        try:
+            tok = load_tokenizer(path)
+        except Exception:
+            tok = None  # the server applies no template; prompts are built without a chat template
+        return OpenAIEngine(base_url, path), tok
+    if name == "vllm":
+        e = VLLMEngine(path, **vllm_kwargs)
+        return e, e.tok
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    tdtype = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    try:
+        tok = load_tokenizer(path)
+        m = AutoModelForCausalLM.from_pretrained(path, dtype=tdtype, use_safetensors=True).to(dev)
+    except OSError as e:
+        raise StareError(f"cannot load model '{path}': {str(e).splitlines()[0][:200]}",
+                         hint="pass a local model directory or a run directory") from None
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    use_gqa_sdpa_on_cpu(m)
+    return HFEngine(m, tok, batch_size=batch_size), tok

@@ -1,0 +1,307 @@
+"""The tool sandbox's launcher: run as `python -I -S _sandbox_init.py CONFIG_JSON` (standard library
+only, a fresh single-threaded process, as user namespaces require). benchmarks/generation/sandbox.py starts it;
+read that module's docstring for what the sandbox guarantees. Processes:
+
+  H (this script; dies with its parent: PR_SET_PDEATHSIG)
+  └─ C  unshare(user, mount, pid, net, ipc, uts, cgroup); H writes C's uid/gid maps (the call's
+        own uid from a pool when H is root, else the caller's uid), then C becomes root *of the
+        namespace* and forks
+     └─ G  PID 1 of the new PID namespace: builds a new root (read-only binds of the system and the
+           interpreter, private tmpfs for /tmp, HOME, /dev/shm, a new /proc), pivots into it, forks
+        └─ P  limits (CPU, memory, file size, files, processes), every capability dropped and never
+              regained (bounding set, securebits, no_new_privs), then execs the interpreter.
+When P exits, G exits, and the kernel kills everything left in the PID namespace (daemons too).
+Each of H, C and G is killed when its parent dies, so killing H (the caller's wall-clock limit, or
+the caller dying) ends the whole call. Exit statuses travel back up unchanged: a signal that killed
+P kills C and H the same way.
+"""
+
+import ctypes
+import json
+import os
+import platform
+import resource
+import signal
+import sys
+
+CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS = 0x00020000, 0x02000000, 0x04000000
+CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x08000000, 0x10000000, 0x20000000, 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+MS_NOATIME, MS_NODIRATIME, MS_RELATIME = 1024, 2048, 1 << 21
+MNT_DETACH = 2
+PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_SECUREBITS, PR_CAP_AMBIENT, PR_SET_NO_NEW_PRIVS = 1, 24, 28, 47, 38
+PR_CAP_AMBIENT_CLEAR_ALL = 4
+SECURE_ALL = 0x01 | 0x02 | 0x04 | 0x08 | 0x20 | 0x40 | 0x80  # noroot, no_setuid_fixup, no ambient raise; locked
+SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "ppc64le": 203, "s390x": 217}
+DEVICES = ("null", "zero", "full", "random", "urandom")
+SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32")
+ETC = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "nsswitch.conf", "alternatives")
+STAGE = b"/tmp"  # where the new root is assembled (inside the private mount namespace only)
+
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+
+
+class SetupError(Exception):
+    pass
+
+
+def _ok(rc: int, what: str) -> None:
+    if rc != 0:
+        e = ctypes.get_errno()
+        raise SetupError(f"{what}: {os.strerror(e)}")
+
+
+def _prctl(option: int, arg: int = 0, what: str = "prctl") -> None:
+    _ok(libc.prctl(option, arg, 0, 0, 0), what)
+
+
+def _die_with_parent(parent: int) -> None:
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, "PR_SET_PDEATHSIG")
+    if os.getppid() != parent:  # the parent died before the line above took effect
+        os._exit(137)
+
+
+def _mount(src, dst, fstype, flags, data=None, what=None) -> None:
+    enc = [x.encode() if isinstance(x, str) else x for x in (src, dst, fstype, data)]
+    _ok(libc.mount(enc[0], enc[1], enc[2], flags, enc[3]), what or f"mount {dst}")
+
+
+def _locked_flags(path: str) -> int:
+    """The flags of the mount holding `path` that a remount inside a user namespace must keep."""
+    f = os.statvfs(path).f_flag
+    out = 0
+    for st, ms in ((1, MS_RDONLY), (2, MS_NOSUID), (4, MS_NODEV), (8, MS_NOEXEC), (1024, MS_NOATIME),
+                   (2048, MS_NODIRATIME), (4096, MS_RELATIME)):
+        if f & st:
+            out |= ms
+    return out
+
+
+def _bind_ro(src: str, root: str, fd: int, is_dir: bool) -> None:
+    """Bind `src` (file or directory, recursively) at the same path under `root`, read-only, and
+    every mount below it read-only too. The source is an O_PATH descriptor H opened: the namespace's
+    root (another uid when H is root) may not be allowed to look the path up (e.g. under /root)."""
+    dst = root + src
+    if is_dir:
+        os.makedirs(dst, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        open(dst, "a").close()
+    _mount(f"/proc/self/fd/{fd}", dst, None, MS_BIND | MS_REC, what=f"bind {src}")
+    with open("/proc/self/mountinfo") as f:
+        points = [line.split()[4].replace("\\040", " ") for line in f]
+    for p in points:
+        if p == dst or p.startswith(dst.rstrip("/") + "/"):
+            flags = MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | _locked_flags(p)
+            _mount(None, p, None, flags, what=f"read-only {p[len(root):]}")
+
+
+def _build_root(cfg: dict) -> None:
+    """The new root: system directories and the interpreter read-only, everything writable private."""
+    root = STAGE.decode()
+    mb = int(cfg["file_mb"])
+    _mount(None, "/", None, MS_REC | MS_PRIVATE, what="make mounts private")
+    _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=4m,mode=755", what="new root")
+    for d, target in cfg["links"]:
+        os.symlink(target, root + d)
+    os.makedirs(root + "/etc")
+    with open(root + "/etc/passwd", "w") as f:
+        f.write("sandbox:x:0:0:sandbox:/home/sandbox:/bin/false\n")
+    with open(root + "/etc/group", "w") as f:
+        f.write("sandbox:x:0:\n")
+    with open(root + "/etc/hosts", "w") as f:
+        f.write("127.0.0.1 localhost\n")
+    # The private writable directories first, the read-only binds on top: an interpreter that lives
+    # under /tmp (a virtual environment in a clone there) stays visible inside.
+    for d, mode in (("/tmp", "1777"), ("/home/sandbox", "700"), ("/dev", "755")):
+        os.makedirs(root + d, exist_ok=True)
+        size = "64k" if d == "/dev" else f"{mb}m"
+        _mount("tmpfs", root + d, "tmpfs", MS_NOSUID | MS_NODEV * (d != "/dev"), f"size={size},mode={mode}",
+               what=f"tmpfs {d}")
+    for path, fd, is_dir in cfg["binds"]:
+        _bind_ro(path, root, fd, is_dir)
+    for dev in DEVICES:
+        open(f"{root}/dev/{dev}", "a").close()
+        _mount(f"/dev/{dev}", f"{root}/dev/{dev}", None, MS_BIND, what=f"bind /dev/{dev}")
+    os.makedirs(root + "/dev/shm")
+    _mount("tmpfs", root + "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, f"size={mb}m,mode=1777", what="tmpfs /dev/shm")
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                         ("stderr", "/proc/self/fd/2")):
+        os.symlink(target, f"{root}/dev/{name}")
+    os.makedirs(root + "/proc")
+    try:  # a /proc of this PID namespace only: the call's own processes
+        _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, what="proc")
+    except SetupError:
+        pass  # some kernels refuse a new proc here; then there is no /proc at all (no other processes seen)
+    os.makedirs(root + "/.old")
+    os.chdir(root)
+    call = SYS_PIVOT_ROOT.get(platform.machine())
+    if call is None:
+        raise SetupError(f"pivot_root: unknown syscall number on {platform.machine()}")
+    _ok(libc.syscall(call, b".", b".old"), "pivot_root")
+    os.chdir("/")
+    _ok(libc.umount2(b"/.old", MNT_DETACH), "detach the old root")
+    os.rmdir("/.old")
+    _mount(None, "/", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, what="read-only root")
+    os.chdir("/home/sandbox")
+
+
+def _drop_everything(cfg: dict) -> None:
+    """Limits, then no capability now or after exec (the code runs as uid 0 of its own namespace)."""
+    mb = 1024 * 1024
+    for res, soft, hard in ((resource.RLIMIT_CPU, cfg["cpu_s"], cfg["cpu_s"] + 1),
+                            (resource.RLIMIT_AS, cfg["memory_mb"] * mb, cfg["memory_mb"] * mb),
+                            (resource.RLIMIT_FSIZE, cfg["file_mb"] * mb, cfg["file_mb"] * mb),
+                            (resource.RLIMIT_NOFILE, 64, 64), (resource.RLIMIT_CORE, 0, 0),
+                            (resource.RLIMIT_NPROC, cfg["nproc"], cfg["nproc"])):
+        resource.setrlimit(res, (soft, hard))
+    with open("/proc/sys/kernel/cap_last_cap") if os.path.exists("/proc/sys/kernel/cap_last_cap") else open(os.devnull) as f:
+        last = int(f.read().strip() or 40)
+    for cap in range(last + 1):
+        _prctl(PR_CAPBSET_DROP, cap, "drop capability")
+    _prctl(PR_SET_SECUREBITS, SECURE_ALL, "securebits")
+    _prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, "ambient capabilities")
+    _prctl(PR_SET_NO_NEW_PRIVS, 1, "no_new_privs")
+
+
+def _exit_like(status: int) -> None:
+    """Leave the way a child with wait status `status` left: the same signal, or the same code."""
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(sig, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
+        os.kill(os.getpid(), sig)
+        os._exit(128 + sig)
+    os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 125)
+
+
+def _fail(what: str) -> None:
+    os.write(2, f"sandbox setup failed: {what}\n".encode())
+    os._exit(125)
+
+
+def _pid1(cfg: dict, status_w: int) -> None:
+    """G: PID 1 of the call's namespace. Builds the root, runs P, reports P's wait status."""
+    try:  # (C, the parent, is outside this PID namespace: getppid() is 0 here, so no check)
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, "PR_SET_PDEATHSIG")
+        _build_root(cfg)
+        _ok(libc.sethostname(b"sandbox", 7), "sethostname")
+    except (OSError, SetupError) as e:
+        _fail(str(e))
+    pid = os.fork()
+    if pid == 0:
+        try:
+            _drop_everything(cfg)
+            env = {"HOME": "/home/sandbox", "TMPDIR": "/tmp", "PATH": "/usr/local/bin:/usr/bin:/bin",
+                   "PYTHONDONTWRITEBYTECODE": "1", "LANG": "C.UTF-8", "USER": "sandbox", "MPLBACKEND": "Agg"}
+            os.execve(cfg["python"], [cfg["python"], "-I", "-c", cfg["code"]], env)
+        except (OSError, SetupError) as e:
+            _fail(str(e))
+    _, status = os.waitpid(pid, 0)
+    os.write(status_w, status.to_bytes(4, "little"))
+    os._exit(0)  # everything else in the namespace dies with PID 1
+
+
+def _child(cfg: dict, parent: int, unshared_w: int, mapped_r: int) -> None:
+    """C: new namespaces; once H has written the id maps, root of the namespace; forks G."""
+    try:
+        _die_with_parent(parent)
+        _ok(libc.unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC
+                         | CLONE_NEWUTS | CLONE_NEWCGROUP), "unshare")
+    except SetupError as e:
+        _fail(str(e))
+    os.write(unshared_w, b"u")
+    if os.read(mapped_r, 1) != b"m":
+        os._exit(125)
+    try:  # still with the caller's host uid: paths it may look up (e.g. under /root) open here
+        cfg = _open_sources(cfg)
+    except OSError as e:
+        _fail(f"open a read-only source: {e}")
+    os.setresgid(0, 0, 0)
+    os.setresuid(0, 0, 0)
+    try:
+        _die_with_parent(parent)  # a change of credentials clears the parent-death signal: set it again
+    except SetupError as e:
+        _fail(str(e))
+    status_r, status_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(status_r)
+        _pid1(cfg, status_w)
+    os.close(status_w)
+    data = os.read(status_r, 4)
+    _, own = os.waitpid(pid, 0)
+    if len(data) == 4:
+        _exit_like(int.from_bytes(data, "little"))
+    _exit_like(own)  # G itself failed (setup)
+
+
+def _write_maps(pid: int, uid: int, gid: int) -> None:
+    with open(f"/proc/{pid}/setgroups", "w") as f:
+        f.write("deny")
+    with open(f"/proc/{pid}/uid_map", "w") as f:
+        f.write(f"0 {uid} 1\n")
+    with open(f"/proc/{pid}/gid_map", "w") as f:
+        f.write(f"0 {gid} 1\n")
+
+
+def _open_sources(cfg: dict) -> dict:
+    """Open every read-only source (system directories, a few /etc files, the interpreter's
+    prefixes) as O_PATH descriptors, in C after unshare (a bind source must belong to the new mount
+    namespace) and before C takes the namespace's uid (which may not look up e.g. /root); system
+    symlinks (/bin -> usr/bin) are recreated as symlinks."""
+    binds, links, seen = [], [], set()
+    wanted = [*SYSTEM, *("/etc/" + n for n in ETC), *cfg["ro_paths"]]
+    for path in wanted:
+        if path in seen or not os.path.lexists(path):
+            continue
+        seen.add(path)
+        if path in SYSTEM and os.path.islink(path):
+            links.append((path, os.readlink(path)))
+            continue
+        if any(path != s and path.startswith(s + "/") for s in SYSTEM if s not in dict(links)):
+            continue  # already inside a bound system directory
+        fd = os.open(path, os.O_PATH)
+        binds.append((path, fd, os.path.isdir(path)))
+    return {**cfg, "binds": binds, "links": links}
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    try:
+        _die_with_parent(cfg["parent"])
+    except SetupError as e:
+        _fail(str(e))
+    unshared_r, unshared_w = os.pipe()
+    mapped_r, mapped_w = os.pipe()
+    me = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        os.close(unshared_r)
+        os.close(mapped_w)
+        _child(cfg, me, unshared_w, mapped_r)
+    os.close(unshared_w)
+    os.close(mapped_r)
+    if os.read(unshared_r, 1) == b"u":
+        uid = cfg["host_uid"] if cfg["host_uid"] is not None else os.geteuid()
+        gid = cfg["host_uid"] if cfg["host_uid"] is not None else os.getegid()
+        try:
+            _write_maps(pid, uid, gid)
+            os.write(mapped_w, b"m")
+        except OSError as e:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            _fail(f"user namespace id maps: {e}")
+    _, status = os.waitpid(pid, 0)
+    _exit_like(status)
+
+
+if __name__ == "__main__":
+    main()

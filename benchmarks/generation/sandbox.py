@@ -1,0 +1,289 @@
+"""A Python code-interpreter tool for tool-integrated reasoning: every call is isolated from the host
+and from every other call, and fails closed.
+
+Each call runs in new user, mount, PID, network, IPC, UTS and cgroup namespaces (the launcher is
+benchmarks/generation/_sandbox_init.py), which gives, per call:
+- its own filesystem view: the system directories (/usr, /lib, ...) and the interpreter's
+  installation read-only; private tmpfs for /tmp, HOME (/home/sandbox, the working directory) and
+  /dev/shm, of `file_mb` each; a minimal /dev; a /proc showing only the call's own processes; no
+  /run, /var, /sys, no host home directory, no other calls' files, no host UNIX sockets. Nothing is
+  written on the host, so nothing is left behind when the caller is killed;
+- its own processes: PID 1 of the call's namespace is the launcher; when the code's process exits,
+  everything it started (daemons after double fork and setsid included) is killed by the kernel. The
+  launcher dies with the caller (parent-death signals down the chain), so killing the trainer kills
+  the call;
+- its own uid: uid 0 of its namespace, with every capability dropped for good (bounding set,
+  securebits, no_new_privs). When the caller is root, that uid is a host uid of its own from a pool
+  (one per concurrent call, held by a lock file); otherwise it is the caller's uid, which the
+  read-only mounts and the namespaces keep from touching anything of the caller's;
+- no network: a network namespace with no interface up (`import _socket` does not help);
+- limits: CPU seconds, address space, file size, open files and processes (counted per namespace),
+  plus a wall-clock limit enforced by the caller;
+- an environment of its own (HOME, TMPDIR that exist, PATH, LANG): nothing of the caller's (API
+  keys) is passed; an interpreter with numpy and sympy (by default the one running stare, whose
+  environment has both; `rollout.tools.python` / `Limits.python` chooses another).
+Output (stdout and stderr together) is read up to a byte limit and truncated.
+
+Fails closed: when this kernel does not allow the namespaces, `require_isolation` raises (training
+and `stare eval --tools` refuse to start) and `run_python` returns an error observation instead of
+running the code. `unsafe_no_isolation` (recipe key rollout.tools.unsafe_no_isolation, `stare eval
+--unsafe-no-sandbox`) runs code with only resource limits, a new session and a throwaway directory,
+with a warning on every start: only for code you trust.
+
+A failure of the tool is an observation for the model, never an exception in the caller.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from stare_cli.core.errors import StareError
+
+INIT = Path(__file__).with_name("_sandbox_init.py")
+POOL_SIZE = 256  # concurrent calls with a uid of their own (when the caller is root)
+SETUP_FAILED = 125
+
+
+@dataclass(frozen=True)
+class Limits:
+    cpu_s: int = 5
+    wall_s: float = 10.0
+    memory_mb: int = 512
+    file_mb: int = 16  # largest file, and the size of each private tmpfs
+    nproc: int = 32  # processes (and threads) in the call's namespace
+    output_bytes: int = 4096
+    python: Optional[str] = None  # the interpreter the code runs with (None: the one running stare)
+    unsafe_no_isolation: bool = False  # the opt-out: resource limits only (warned on every start)
+
+
+@dataclass(frozen=True)
+class Observation:
+    output: str
+    exit_code: int
+    status: str  # ok | error | timeout | killed | output-truncated
+    elapsed_s: float
+    isolation: str  # namespaces | none (unsafe_no_isolation)
+
+    def text(self) -> str:
+        """What the model sees."""
+        tail = "" if self.status in ("ok", "output-truncated") else f"\n[{self.status}]"
+        return (self.output + tail).strip()
+
+
+# ------------------------------------------------------------------------------------- interpreter
+@functools.lru_cache(maxsize=8)
+def interpreter_info(python: Optional[str]) -> dict:
+    """The interpreter's path and the directories it needs (its prefixes), and whether numpy and
+    sympy import in it. Raises StareError when it does not run."""
+    exe = python or sys.executable
+    probe = ("import sys, os, json, importlib.util as u\n"
+             "print(json.dumps({'exe': os.path.abspath(sys.executable), 'real': os.path.realpath(sys.executable),"
+             " 'prefixes': sorted({sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}),"
+             " 'missing': [m for m in ('numpy', 'sympy') if u.find_spec(m) is None]}))")
+    try:
+        out = subprocess.run([exe, "-I", "-c", probe], capture_output=True, text=True, timeout=60, check=True).stdout
+        info = json.loads(out.strip().splitlines()[-1])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError) as e:
+        raise StareError(f"the sandbox interpreter '{exe}' does not run: {e}",
+                         hint="set rollout.tools.python to a Python 3 interpreter") from None
+    paths = {*info["prefixes"], os.path.dirname(info["real"]), os.path.dirname(info["exe"])}
+    info["ro_paths"] = sorted(p for p in paths if p and p != "/")
+    return info
+
+
+# ------------------------------------------------------------------------------------- uid pool
+def _pool_base() -> int:
+    """The first uid of the pool: the top of this (possibly nested) user namespace's mapped range,
+    below the conventional nobody/nogroup ids."""
+    tops = []
+    for f in ("/proc/self/uid_map", "/proc/self/gid_map"):
+        try:
+            rows = [line.split() for line in Path(f).read_text().splitlines()]
+            tops.append(max(int(r[0]) + int(r[2]) for r in rows))
+        except (OSError, ValueError):
+            tops.append(65536)
+    top = min(min(tops), 2**31)
+    return top - 2 - POOL_SIZE if top > 65536 else 65534 - 1 - POOL_SIZE
+
+
+class _UidSlot:
+    """A host uid of its own for one call (caller root only), held with an exclusive lock file."""
+
+    def __init__(self):
+        self.uid: Optional[int] = None
+        self._file = None
+
+    def __enter__(self) -> "_UidSlot":
+        if os.geteuid() != 0:
+            return self
+        d = Path(tempfile.gettempdir()) / "stare-sandbox-uids"
+        d.mkdir(mode=0o700, exist_ok=True)
+        for slot in range(POOL_SIZE):
+            f = open(d / f"{slot}.lock", "w")
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                f.close()
+                continue
+            self.uid, self._file = _pool_base() + slot, f
+            return self
+        raise OSError(f"all {POOL_SIZE} sandbox uids are in use")
+
+    def __exit__(self, *exc) -> None:
+        if self._file is not None:
+            self._file.close()  # releases the lock
+
+
+# ------------------------------------------------------------------------------- availability
+_CHECK_LOCK = threading.Lock()
+_PROBLEM: dict[Optional[str], Optional[str]] = {}
+_WARNED = False
+
+
+def isolation_problem(python: Optional[str] = None) -> Optional[str]:
+    """Why full isolation is not available here (None when it is): one real call, cached."""
+    with _CHECK_LOCK:
+        if python not in _PROBLEM:
+            try:
+                info = interpreter_info(python)
+            except StareError as e:
+                _PROBLEM[python] = str(e)
+                return _PROBLEM[python]
+            o = _run_isolated("print('ok')", Limits(python=python, cpu_s=10, wall_s=30), info)
+            _PROBLEM[python] = None if (o.status, o.output.strip()) == ("ok", "ok") else (o.output.strip() or o.status)
+        return _PROBLEM[python]
+
+
+def require_isolation(limits: Limits) -> str:
+    """Call before a run that uses the tool: raises StareError when the calls could not be isolated
+    (unless the opt-out is set, which is warned about loudly). Returns the isolation in use."""
+    global _WARNED
+    if limits.unsafe_no_isolation:
+        if not _WARNED:
+            print("WARNING: the tool sandbox is OFF (unsafe_no_isolation): model-written code runs with your "
+                  "user's rights, sees your files, your network and your environment; only resource limits "
+                  "apply", file=sys.stderr, flush=True)
+            _WARNED = True
+        return "none"
+    problem = isolation_problem(limits.python)
+    if problem:
+        namespaces = any(w in problem for w in ("unshare", "uid_map", "gid_map", "setgroups", "Operation not permitted"))
+        fix = ("allow unprivileged user namespaces (sysctl user.max_user_namespaces > 0, "
+               "kernel.unprivileged_userns_clone=1, or AppArmor's userns restriction off)" if namespaces else
+               "the namespaces were created but the sandbox's root could not be built: check the path named above "
+               "(rollout.tools.python picks another interpreter)")
+        raise StareError(f"the tool sandbox cannot isolate calls on this machine ({problem})",
+                         hint=f"{fix}, or, for code you trust only, rollout.tools.unsafe_no_isolation=true")
+    missing = interpreter_info(limits.python)["missing"]
+    if missing:
+        print(f"warning: the sandbox interpreter lacks {', '.join(missing)}; set rollout.tools.python",
+              file=sys.stderr)
+    return "namespaces"
+
+
+# ------------------------------------------------------------------------------------------ run
+def run_python(code: str, limits: Limits = Limits()) -> Observation:
+    """Run `code` with `python -I` in a fresh, isolated, limited process; return what it printed."""
+    if limits.unsafe_no_isolation:
+        return _run_unisolated(code, limits)
+    problem = isolation_problem(limits.python)
+    if problem:  # fail closed: never run the code without isolation
+        return Observation(f"sandbox unavailable: {problem}", -1, "error", 0.0, "namespaces")
+    return _run_isolated(code, limits, interpreter_info(limits.python))
+
+
+def _run_isolated(code: str, limits: Limits, info: dict) -> Observation:
+    try:
+        with _UidSlot() as slot:
+            cfg = {"parent": os.getpid(), "host_uid": slot.uid, "python": info["exe"], "ro_paths": info["ro_paths"],
+                   "cpu_s": limits.cpu_s, "memory_mb": limits.memory_mb, "file_mb": limits.file_mb,
+                   "nproc": limits.nproc, "code": code}
+            argv = [sys.executable, "-I", "-S", str(INIT), json.dumps(cfg)]
+            return _supervise(argv, None, limits, "namespaces", None)
+    except OSError as e:
+        return Observation(f"sandbox could not start: {e}", -1, "error", 0.0, "namespaces")
+
+
+def _run_unisolated(code: str, limits: Limits) -> Observation:
+    """The opt-out: a new session, resource limits, a throwaway working directory; nothing else."""
+    require_isolation(limits)  # the warning
+    work = tempfile.mkdtemp(prefix="stare-sbx-")
+
+    def preexec() -> None:
+        mb = 1024 * 1024
+        resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 1))
+        resource.setrlimit(resource.RLIMIT_AS, (limits.memory_mb * mb, limits.memory_mb * mb))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_mb * mb, limits.file_mb * mb))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+    env = {"HOME": work, "TMPDIR": work, "PATH": "/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1", "LANG": "C.UTF-8"}
+    try:
+        return _supervise([limits.python or sys.executable, "-I", "-c", code], preexec, limits, "none", work, env)
+    except OSError as e:
+        return Observation(f"sandbox could not start: {e}", -1, "error", 0.0, "none")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _supervise(argv: list[str], preexec, limits: Limits, isolation: str, cwd: Optional[str],
+               env: Optional[dict] = None) -> Observation:
+    """Start `argv` in a new session, read its output up to the byte limit, kill its process group at
+    the end or at the wall-clock limit, and turn the result into an Observation."""
+    t0 = time.monotonic()
+    status = "ok"
+    proc = subprocess.Popen(argv, cwd=cwd, env=env if env is not None else {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True, preexec_fn=preexec)
+    out = bytearray()
+    truncated = False
+    os.set_blocking(proc.stdout.fileno(), False)
+    while True:
+        try:
+            chunk = proc.stdout.read(65536)
+        except BlockingIOError:
+            chunk = None
+        if chunk:
+            if len(out) < limits.output_bytes:
+                out += chunk[: limits.output_bytes - len(out)]
+            if len(out) >= limits.output_bytes:
+                truncated = True
+        if proc.poll() is not None and not chunk:
+            break
+        if time.monotonic() - t0 > limits.wall_s:
+            status = "timeout"
+            break
+        if not chunk:
+            time.sleep(0.005)
+    try:  # the launcher's group; the namespace dies with it (parent-death signals, PID 1)
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    code_ = proc.wait()
+    proc.stdout.close()
+    elapsed = time.monotonic() - t0
+    text = out.decode("utf-8", errors="replace")
+    if status == "ok":
+        if code_ < 0:
+            sig = -code_
+            status = "timeout" if sig in (signal.SIGXCPU, signal.SIGKILL) and elapsed >= limits.cpu_s else "killed"
+        elif code_ != 0:  # SETUP_FAILED with "sandbox setup failed: ..." when the launcher could not isolate
+            status = "error"
+        elif truncated:
+            status = "output-truncated"
+    if truncated:
+        text += "\n[output truncated]"
+    return Observation(text, code_, status, elapsed, isolation)

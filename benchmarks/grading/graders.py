@@ -1,0 +1,446 @@
+"""Grading: extract a final answer, verify it against the gold; several graders by name.
+
+`GRADERS` maps a name to a grader (every verdict records `name@version`):
+- `math-verify` (ours, the default for evaluation and the `math-verify` training reward): the
+  extraction and normalisation below, then math-verify;
+- `math-verify-plain`: math-verify's own defaults on the whole response (parse + verify);
+- `stare-official`: the official STARE scorer's accuracy as its reward loop ran it (mathruler on the
+  official answer extraction; see benchmarks/grading/official.py for why the math-verify checks never
+  count there);
+- `stare-official-3way`: the official scorer's three checks as written (math-verify twice, mathruler);
+- `mathruler`: mathruler's grade_answer on the last \\boxed{} content.
+
+Our grader (`math-verify`):
+- Extraction gives answer candidates, tried in order: the final answer, and, when the final paragraph
+  has two or more boxes, all of them joined by ", " (`\\boxed{2} and \\boxed{3}` for the gold `2, 3`).
+  The final answer is the last closed \\boxed{...} (or \\fbox{...}), unless a stated answer ("the
+  answer is X", "Final Answer: X") comes after it; without a box, that stated answer; else the last
+  inline math of the final paragraph (`$...$`, `\\(...\\)`, `\\[...\\]`); else the last number. A final
+  box that never closes is no answer (the response was cut), never a fallback. A stated answer ends
+  at the end of its line or at a full stop followed by a space (decimal points stay). Each verdict
+  records how the answer was found. `boxed_only` (training rewards): the box candidates only.
+- Verification: separators inside numbers are removed (`3\\,159`, `1{,}000`, `1,000`); two plain
+  numbers are compared with a relative tolerance of 1e-6 and nothing else (math-verify rounds to 6
+  decimal places, which makes 0.0000005 equal 0.000000389); otherwise math-verify on
+  `\\boxed{answer}` vs `\\boxed{gold}`, then the same with a trailing percent sign dropped on both
+  sides (the Qwen2.5-Math convention, 50\\% = 50). Scientific notation `4.5e33` is rewritten to
+  `4.5\\times10^{33}` on both sides (math-verify reads `e` as Euler's number); "pct"/"percent" as `\\%`.
+- Time limits: math-verify's own timeouts use signal.alarm and only work on a process's main
+  thread; `Grader` runs grading in worker processes (whose main thread does the work) and also
+  enforces a hard wall-clock limit per item from the parent, killing the hung worker alone. A
+  pathological answer grades as wrong with a reason; it never hangs or crashes a run.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterable, Optional
+
+from benchmarks.grading.workers import WorkerPool
+
+MAX_RESPONSE_CHARS = 20_000  # the fallbacks (no \boxed{}) look only at the end of a response
+MAX_ANSWER_CHARS = 1_000
+
+
+@dataclass(frozen=True)
+class Verdict:
+    correct: bool
+    extracted: Optional[str]
+    method: str  # boxed | answer-phrase | last-number | none | official | whole-response
+    reason: str  # exact | integer | math-verify | mathruler | mismatch | no-answer | timeout | error: ... | too-long
+    grader: str = ""  # name@version of the grader that decided (GRADERS)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+_BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_PHRASE = re.compile(r"(?:final answer|the answer|answer)\s*(?:is|:)", re.IGNORECASE)
+_INLINE = re.compile(r"\$\$(.+?)\$\$|\$(.+?)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]", re.DOTALL)
+_NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?")
+_INT = re.compile(r"^[-+]?\d+$")
+_PLAIN_NUMBER = re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?$")
+_SCI = re.compile(r"(?<![\w.])(-?\d+(?:\.\d+)?)[eE]([-+]?\d+)(?![\w.])")
+_TIMES10 = re.compile(r"^([-+]?\d+(?:\.\d+)?)\s*\\(?:times|cdot)\s*10\^\{?([-+]?\d+)\}?$")
+# Separators inside a number: LaTeX thin spaces, {,}, unicode thin spaces, before a group of three digits.
+_GROUP_SEP = re.compile(r"(?<=\d)(?:\\[,!;:]|\{,\}|\\ |~|\u2009|\u202f)(?=\d{3}(?!\d))")
+_PERCENT_WORD = re.compile(r"\s*(?:pct|percent)\.?$", re.IGNORECASE)
+SEP = "\x1f"  # joins answer candidates in one cache key
+
+
+@dataclass(frozen=True)
+class Box:
+    content: str
+    start: int  # where "\boxed{" starts
+    end: int  # after the closing brace
+
+
+def boxes(text: str) -> tuple[list[Box], bool]:
+    """Every closed \\boxed{...} (balanced braces) in order, and whether a box opened after the last
+    closed one never closes (a response cut inside its final box). Bounded work on adversarial text."""
+    out: list[Box] = []
+    unclosed = False
+    pos = 0
+    for m in list(_BOX.finditer(text))[-50:]:
+        if m.start() < pos:  # nested inside the previous box
+            continue
+        depth, i = 1, m.end()
+        while i < len(text) and depth:
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            i += 1
+        if depth:
+            unclosed = True
+            break
+        out.append(Box(text[m.end():i - 1].strip(), m.start(), i))
+        pos = i
+    return out, unclosed
+
+
+def last_boxed(text: str) -> Optional[str]:
+    """Content of the last closed \\boxed{...} (None if none closes)."""
+    found, _ = boxes(text)
+    return found[-1].content if found else None
+
+
+def _stated_answer(text: str) -> tuple[Optional[str], int]:
+    """The answer after the last "answer is" / "answer:" and where that phrase starts (-1: none): the
+    rest of its line, up to a full stop followed by a space or the end (so 7.78 stays whole)."""
+    last = None
+    for last in _PHRASE.finditer(text):
+        pass
+    if last is None:
+        return None, -1
+    line = text[last.end():].split("\n", 1)[0]
+    line = re.split(r"\.(?:\s|$)", line, maxsplit=1)[0]
+    line = line.strip().strip("*").strip()
+    m = _INLINE.fullmatch(line)
+    if m:
+        line = next(g for g in m.groups() if g is not None)
+    line = line.strip().strip("$").strip().rstrip(".").strip()
+    return (line or None), last.start()
+
+
+def extract_candidates(response: str, boxed_only: bool = False) -> tuple[list[str], str]:
+    """(answer candidates in order, how the first was found); see the module docstring."""
+    found, unclosed = boxes(response)  # boxes anywhere; the fallbacks read the end only
+    if unclosed:
+        return [], "unclosed-box"
+    text = response[-MAX_RESPONSE_CHARS:]
+    offset = len(response) - len(text)
+    stated, at = (None, -1) if boxed_only else _stated_answer(text)
+    if found and not (stated is not None and offset + at > found[-1].end):
+        cands = [found[-1].content]
+        para_start = response.rfind("\n\n", 0, found[-1].start) + 1
+        together = [b.content for b in found if b.start >= para_start]
+        if len(together) >= 2:
+            cands.append(", ".join(together))
+        return cands, "boxed"
+    if boxed_only:
+        return [], "none"
+    if stated is not None:
+        return [stated], "answer-phrase"
+    final = text[text.rstrip().rfind("\n\n") + 1:] if "\n\n" in text.rstrip() else text
+    maths = [next(g for g in m.groups() if g is not None) for m in _INLINE.finditer(final)]
+    if maths and maths[-1].strip():
+        return [maths[-1].strip()], "inline-math"
+    nums = _NUMBER.findall(text)
+    if nums:
+        return [nums[-1].replace(",", "")], "last-number"
+    return [], "none"
+
+
+def extract_answer(response: str, boxed_only: bool = False) -> tuple[Optional[str], str]:
+    """(the first answer candidate or None, how it was found)."""
+    cands, method = extract_candidates(response, boxed_only)
+    return (cands[0] if cands else None), method
+
+
+def _normalise(s: str) -> str:
+    s = s.strip()
+    if len(s) >= 2 and s.startswith("$") and s.endswith("$"):
+        s = s.strip("$").strip()
+    s = _GROUP_SEP.sub("", s)
+    s = _PERCENT_WORD.sub(r"\\%", s)
+    return _SCI.sub(lambda m: f"{m.group(1)}\\times10^{{{m.group(2)}}}", s)
+
+
+def _number(s: str) -> Optional[float]:
+    """A plain number (digits, a decimal point, an exponent; 1,000 and 4.5\\times10^{3} too), else None."""
+    t = s.replace(" ", "")
+    if re.fullmatch(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?", t):
+        t = t.replace(",", "")
+    m = _TIMES10.match(t)
+    if m:
+        return float(m.group(1)) * 10.0 ** int(m.group(2))
+    return float(t) if _PLAIN_NUMBER.match(t) else None
+
+
+def _cheap(answer: str, gold: str) -> Optional[str]:
+    """'exact' / 'integer' / 'numeric' when decided without sympy ('mismatch' when decidedly not
+    equal); None when math-verify must decide."""
+    a, g = _normalise(answer), _normalise(gold)
+    if a == g:
+        return "exact"
+    a2, g2 = a.replace(",", "").replace(" ", ""), g.replace(",", "").replace(" ", "")
+    if _INT.match(a2) and _INT.match(g2):
+        return "integer" if int(a2) == int(g2) else "mismatch"
+    x, y = _number(a), _number(g)
+    if x is not None and y is not None:  # relative tolerance, not math-verify's 6 decimal places
+        return "numeric" if math.isclose(x, y, rel_tol=1e-6, abs_tol=0.0) else "mismatch"
+    return None
+
+
+def _strip_percent(s: str) -> str:
+    return re.sub(r"\\?%\s*$", "", s).strip()
+
+
+def _math_verify(answer: str, gold: str, timeout: int) -> bool:
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+    cfg = [LatexExtractionConfig(), ExprExtractionConfig()]
+    g = parse(f"\\boxed{{{gold}}}", extraction_config=cfg, parsing_timeout=timeout)
+    p = parse(f"\\boxed{{{answer}}}", extraction_config=cfg, parsing_timeout=timeout)
+    return bool(g) and bool(verify(g, p, timeout_seconds=timeout))
+
+
+def judge(answer: str, gold: str, timeout: int = 5) -> tuple[bool, str]:
+    """(correct, reason) for one extracted answer against the gold."""
+    if len(answer) > MAX_ANSWER_CHARS:
+        return False, "too-long"
+    quick = _cheap(answer, gold)
+    if quick is not None:
+        return quick != "mismatch", quick
+    try:
+        a, g = _normalise(answer), _normalise(gold)
+        if _math_verify(a, g, timeout):
+            return True, "math-verify"
+        a2, g2 = _strip_percent(a), _strip_percent(g)
+        if (a2, g2) != (a, g) and (a2 == g2 or _math_verify(a2, g2, timeout)):
+            return True, "percent"
+        return False, "mismatch"
+    except BaseException as e:  # math-verify's TimeoutException derives from BaseException
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        return False, "timeout" if "Timeout" in type(e).__name__ else f"error: {type(e).__name__}"
+
+
+def _quick(key: str, gold: str) -> Optional[str]:
+    """A verdict for a cache key (the candidates) without a worker, or None."""
+    reasons = []
+    for c in key.split(SEP):
+        if len(c) > MAX_ANSWER_CHARS:
+            return None
+        q = _cheap(c, gold)
+        if q is None:
+            return None
+        if q != "mismatch":
+            return q
+        reasons.append(q)
+    return "mismatch"
+
+
+def grade(response: str, gold: str, timeout: int = 5, boxed_only: bool = False) -> Verdict:
+    """Grade one response in this process (math-verify timeouts need the main thread)."""
+    cands, method = extract_candidates(response, boxed_only)
+    if not cands:
+        return Verdict(False, None, method, "no-answer")
+    reason = "mismatch"
+    for c in cands:
+        ok, reason = judge(c, gold, timeout)
+        if ok:
+            return Verdict(True, c, method, reason)
+    return Verdict(False, cands[0], method, reason)
+
+
+def _plain_math_verify(response: str, gold: str, timeout: int = 5, boxed_only: bool = False) -> Verdict:
+    """math-verify's own defaults: parse the whole response and the gold (in `$...$` unless it is
+    already delimited), then verify."""
+    try:
+        from math_verify import parse, verify
+
+        # A bare gold ("\\frac12") is not LaTeX math to math-verify until delimited.
+        g = parse(gold if "$" in gold or "\\boxed" in gold else f"${gold}$", parsing_timeout=timeout)
+        p = parse(response[-MAX_RESPONSE_CHARS:], parsing_timeout=timeout)
+        ok = bool(g) and bool(p) and bool(verify(g, p, timeout_seconds=timeout))
+        return Verdict(ok, str(p[1]) if len(p) > 1 else None, "whole-response", "math-verify" if ok else "mismatch")
+    except BaseException as e:
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        kind = "timeout" if "Timeout" in type(e).__name__ else f"error: {type(e).__name__}"
+        return Verdict(False, None, "whole-response", kind)
+
+
+def _official(as_run: bool):
+    def judge(response: str, gold: str, timeout: int = 5, boxed_only: bool = False) -> Verdict:
+        from benchmarks.grading.official import official_acc
+
+        ok, _, boxed = official_acc(response, gold, as_run=as_run, timeout=timeout)
+        return Verdict(ok, boxed, "official", "mathruler" if ok and as_run else ("official" if ok else "mismatch"))
+
+    return judge
+
+
+def _mathruler(response: str, gold: str, timeout: int = 5, boxed_only: bool = False) -> Verdict:
+    from benchmarks.grading.official import _mathruler_check, boxed_content
+
+    boxed = boxed_content(response)
+    if boxed == "None":
+        return Verdict(False, None, "none", "no-answer")
+    ok = _mathruler_check(boxed, gold)
+    return Verdict(ok, boxed, "boxed", "mathruler" if ok else "mismatch")
+
+
+def _candidates_key(response: str, boxed_only: bool) -> tuple[Optional[str], str]:
+    cands, method = extract_candidates(response, boxed_only)
+    return (SEP.join(cands) if cands else None), method
+
+
+def _official_key(response: str, boxed_only: bool) -> tuple[Optional[str], str]:
+    from benchmarks.grading.official import answer_text
+
+    return answer_text(response), "official"
+
+
+def _boxed_key(response: str, boxed_only: bool) -> tuple[Optional[str], str]:
+    from benchmarks.grading.official import boxed_content
+
+    b = boxed_content(response)
+    return (None, "none") if b == "None" else (b, "boxed")
+
+
+@dataclass(frozen=True)
+class GraderSpec:
+    """A grader: `key` (in the calling process, cheap) gives what the verdict depends on besides
+    the gold (None: no answer, graded wrong at once), used to deduplicate and cache; `judge` (in a
+    worker process) decides. `version` changes whenever a verdict may change."""
+
+    name: str
+    version: int
+    summary: str
+    key: Callable[[str, bool], tuple[Optional[str], str]]
+    judge: Callable[..., Verdict]
+    quick: Optional[Callable[[str, str], Optional[str]]] = None  # a verdict without a worker (ours)
+
+    @property
+    def tag(self) -> str:
+        return f"{self.name}@{self.version}"
+
+
+GRADERS: dict[str, GraderSpec] = {g.name: g for g in [
+    GraderSpec("math-verify", 3, "ours: final box (or a later stated answer, or inline math, or the last number), "
+               "normalised, then math-verify", key=_candidates_key, judge=grade, quick=_quick),
+    GraderSpec("math-verify-plain", 1, "math-verify's defaults on the whole response",
+               key=lambda r, b: (r[-MAX_RESPONSE_CHARS:], "whole-response"), judge=_plain_math_verify),
+    GraderSpec("stare-official", 1, "the official STARE accuracy as its reward loop ran it (mathruler decides)",
+               key=_official_key, judge=_official(as_run=True)),
+    GraderSpec("stare-official-3way", 1, "the official STARE accuracy as written (math-verify x2 or mathruler)",
+               key=_official_key, judge=_official(as_run=False)),
+    GraderSpec("mathruler", 1, "mathruler's grade_answer on the last \\boxed{}", key=_boxed_key, judge=_mathruler),
+]}
+
+
+def check_grader(name: str) -> GraderSpec:
+    """The grader called `name`, or a StareError listing the valid names."""
+    if name not in GRADERS:
+        from stare_cli.core.errors import StareError, did_you_mean
+
+        raise StareError(f"unknown grader '{name}'{did_you_mean(name, GRADERS)}; valid: {', '.join(GRADERS)}")
+    return GRADERS[name]
+
+
+def _grade_task(name: str, response: str, gold: str, timeout: int, boxed_only: bool) -> dict:
+    """One verdict, in a worker (as a dict: plain data across the pipe)."""
+    return GRADERS[name].judge(response, gold, timeout, boxed_only).to_dict()
+
+
+class Grader:
+    """Batch grading with a process pool, a hard per-item time limit and a verdict cache.
+
+    name: a key of GRADERS. workers=0 grades in this process (no hard limit beyond math-verify's
+    own, which needs the main thread; for tests and tiny batches). The cache is keyed by what the
+    grader's verdict depends on (for ours: the extracted answer) and the gold.
+    The workers (benchmarks/grading/workers.py) start once, on first need, from a fork server: never a
+    fork of this possibly threaded process; `close` ends them for certain.
+    """
+
+    def __init__(self, workers: Optional[int] = None, timeout: int = 5, hard_timeout: float = 30.0,
+                 boxed_only: bool = False, name: str = "math-verify"):
+        self.spec = check_grader(name)
+        self.workers = (os.cpu_count() or 1) if workers is None else workers
+        self.boxed_only = boxed_only
+        self.timeout = timeout
+        self.hard_timeout = hard_timeout
+        self.cache: dict[tuple[str, str], Verdict] = {}
+        self._pool: Optional[WorkerPool] = None
+
+    @property
+    def tag(self) -> str:
+        """name@version of this grader, recorded with every verdict."""
+        return self.spec.tag
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+    def __enter__(self) -> "Grader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _verdict(self, v: Verdict, extracted: Optional[str], method: str) -> Verdict:
+        return Verdict(v.correct, extracted, method, v.reason, self.tag)
+
+    def grade_many(self, responses: Iterable[str], golds: Iterable[str]) -> list[Verdict]:
+        """Verdicts in input order."""
+        items = list(zip(responses, golds))
+        out: list[Optional[Verdict]] = [None] * len(items)
+        todo: dict[tuple[str, str], list[int]] = {}
+        methods: list[str] = [""] * len(items)
+        for i, (resp, gold) in enumerate(items):
+            key, method = self.spec.key(resp, self.boxed_only)
+            methods[i] = method
+            if key is None:
+                out[i] = Verdict(False, None, method, "no-answer", self.tag)
+                continue
+            if (key, gold) in self.cache:
+                v = self.cache[(key, gold)]
+                out[i] = self._verdict(v, v.extracted, method)
+                continue
+            quick = self.spec.quick(key, gold) if self.spec.quick is not None else None
+            if quick is not None:
+                out[i] = Verdict(quick != "mismatch", key.split(SEP)[0], method, quick, self.tag)
+                continue
+            todo.setdefault((key, gold), []).append(i)
+        if todo:
+            keys = list(todo)
+            firsts = [items[todo[k][0]] for k in keys]
+            if self.workers == 0:
+                results = [self.spec.judge(r, g, self.timeout, self.boxed_only) for r, g in firsts]
+            else:
+                results = self._run_pool(firsts)
+            for k, v in zip(keys, results):
+                self.cache[k] = v
+                for i in todo[k]:
+                    out[i] = self._verdict(v, v.extracted, methods[i])
+        return [v for v in out if v is not None]
+
+    def _run_pool(self, pairs: list[tuple[str, str]]) -> list[Verdict]:
+        if self._pool is None:
+            self._pool = WorkerPool(self.workers)
+        name = self.spec.name
+        outcomes = self._pool.run(_grade_task, [(name, r, g, self.timeout, self.boxed_only) for r, g in pairs],
+                                  hard_timeout=self.hard_timeout)
+        results = []
+        for (response, _), o in zip(pairs, outcomes):
+            if o.status == "ok":
+                results.append(Verdict(**o.value))
+            else:  # "timeout": a hung worker (killed); "error": the worker died (e.g. out of memory)
+                extracted = self.spec.key(response, self.boxed_only)[0]
+                reason = "timeout" if o.status == "timeout" else f"error: {o.detail.split(':')[0]}"
+                results.append(Verdict(False, extracted, o.status, reason))
+        return results

@@ -1,0 +1,2 @@
+"""Performance scripts: each prints ratios measured side by side in one run (README: "Performance scripts").
+They are tools at the top of the layers, like the CLI: they may time any part."""

@@ -1,0 +1,479 @@
+"""`stare compare`: runs and evaluations beside each other and beside the paper's Table 2.
+
+Inputs are training run directories (evaluation results under `eval/`, `metrics.jsonl`) and
+`stare eval` output directories (`<bench>/results.json`). Rows are grouped by method and protocol:
+mean ± std over seeds with the seed count. Results made under different protocols (N,
+temperature, top_p, template, max tokens, or a --limit) are never averaged together: they get
+separate rows, flagged. The paper's published numbers ship as package data.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import statistics
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+from benchmarks.data.registry import BENCHMARKS, PAPER_ORDER
+from stare_cli.core.config import dotted_items
+from stare_cli.core.errors import StareError
+from stare_cli.core.runs import read_jsonl
+from stare_cli.analysis.plots import save_figure
+
+PAPER_MODELS = {
+    "short-cot/qwen2.5-math-7b": ("short-cot", "Qwen2.5-Math-7B"),
+    "short-cot/qwen2.5-14b-instruct": ("short-cot", "Qwen2.5-14B-Instruct"),
+    "short-cot/qwen2.5-32b": ("short-cot", "Qwen2.5-32B"),
+    "long-cot/r1-distill-qwen-1.5b": ("long-cot", "DeepSeek-R1-Distill-Qwen-1.5B"),
+    "long-cot/qwen3-8b": ("long-cot", "Qwen3-8B"),
+    "tool-use/qwen2.5-7b": ("tool-use", "Qwen2.5-7B"),
+}
+
+
+@dataclass
+class Result:
+    """One evaluated model (one seed): metric per benchmark, with the protocol it was made under."""
+
+    label: str  # the method (runs) or the model name (eval directories)
+    seed: Optional[int]
+    source: str
+    metrics: dict[str, dict] = field(default_factory=dict)  # bench -> metrics
+    protocol: dict[str, tuple] = field(default_factory=dict)  # bench -> (n, T, top_p, template, max_tokens, limited)
+    metrics_rows: list[dict] = field(default_factory=list)
+    config: dict[str, object] = field(default_factory=dict)  # what makes this run differ from another of its label
+
+
+# Recipe keys that tell runs of one method apart (the seed makes seeds of one run, not a new run).
+_NOT_A_VARIANT = ("name", "description", "optim.seed", "optim.total_steps", "logging.", "checkpoint.", "eval.",
+                  "backend.embedded.", "backend.verl.nnodes", "backend.verl.n_gpus_per_node", "backend.verl.shared_dir",
+                  "backend.verl.device", "backend.verl.extra_overrides", "paper")
+
+
+def _variant(cfg: dict) -> dict[str, object]:
+    return {k: v for k, v in dotted_items(cfg).items() if not k.startswith(_NOT_A_VARIANT) and k not in _NOT_A_VARIANT}
+
+
+def _protocol(res: dict) -> tuple:
+    p, s = res["protocol"], res["settings"]
+    spec = BENCHMARKS.get(res["benchmark"])
+    limited = s.get("limit") is not None and (spec is None or res["metrics"].get("problems", 0) < spec.size)
+    return (p["n"], p["temperature"], p["top_p"], p["template"], p["max_tokens"], limited)
+
+
+def _collect_results(folder: Path) -> dict[str, dict]:
+    """bench -> results.json found below `folder` (the newest when several)."""
+    found: dict[str, tuple[float, dict]] = {}
+    for f in folder.rglob("results.json"):
+        try:
+            res = json.loads(f.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        b = res.get("benchmark")
+        if b and (b not in found or f.stat().st_mtime > found[b][0]):
+            found[b] = (f.stat().st_mtime, res)
+    return {b: r for b, (_, r) in found.items()}
+
+
+def _verl_results(run: Path, cfg: dict, rows: list[dict]) -> dict[str, dict]:
+    """bench -> a results.json-like dict from a verl run's mirrored validation metrics (the last
+    step that validated): verl's `val-core/<bench>/acc/mean@N` is avg@N over the validation set."""
+    import re
+
+    pat = re.compile(r"^val-core/(.+)/acc/mean@(\d+)$")
+    latest: dict[str, tuple[int, int, float]] = {}
+    for row in rows:
+        for k, v in row.items():
+            m = pat.match(k)
+            if m:
+                latest[m.group(1)] = (int(row.get("step", 0)), int(m.group(2)), float(v))
+    if not latest:
+        return {}
+    counts: dict[str, int] = {}
+    meta = json.loads((run / "meta.json").read_text()) if (run / "meta.json").exists() else {}
+    val = next((o.split("=", 1)[1] for o in meta.get("overrides", []) if o.startswith("data.val_files=")), "")
+    for f in val.strip("[]").split(","):
+        try:
+            import pandas as pd
+
+            df = pd.read_parquet(f, columns=["data_source"])
+            for src, c in df["data_source"].value_counts().items():
+                counts[str(src)] = counts.get(str(src), 0) + int(c)
+        except Exception:  # the data may live on the cluster only
+            continue
+    ev, ro = cfg.get("eval", {}), cfg.get("rollout", {})
+    out = {}
+    for bench, (step, n, acc) in latest.items():
+        spec = BENCHMARKS.get(bench)
+        problems = counts.get(bench) or (min(ev.get("limit") or spec.size, spec.size) if spec else 0)
+        out[bench] = {
+            "benchmark": bench, "step": step,
+            "settings": {"model": str(run), "limit": ev.get("limit"), "seed": cfg.get("optim", {}).get("seed")},
+            "protocol": {"n": n, "temperature": ev.get("temperature"), "top_p": ev.get("top_p"),
+                         "template": cfg.get("data", {}).get("template"), "max_tokens": ro.get("max_response_tokens")},
+            "metrics": {"n": n, "problems": problems, f"avg@{n}": 100.0 * acc},
+        }
+    return out
+
+
+def load_inputs(paths: list[Path]) -> list[Result]:
+    out = []
+    for p in paths:
+        if not p.exists():
+            raise StareError(f"compare: '{p}' does not exist")
+        if (p / "config.yaml").exists():  # a training run
+            cfg = yaml.safe_load((p / "config.yaml").read_text())
+            r = Result(label=cfg["method"]["name"], seed=cfg["optim"]["seed"], source=str(p), config=_variant(cfg))
+            r.metrics_rows = read_jsonl(p / "metrics.jsonl", strict=True)
+            results = _collect_results(p / "eval") if (p / "eval").exists() else {}
+            if not results and cfg.get("backend", {}).get("name") == "verl":
+                results = _verl_results(p, cfg, r.metrics_rows)
+        else:
+            results = _collect_results(p)
+            if not results:
+                raise StareError(f"compare: '{p}' is neither a run directory nor holds results.json files")
+            model = next(iter(results.values()))["settings"]["model"]
+            r = Result(label=Path(model).name or model, seed=next(iter(results.values()))["settings"].get("seed"),
+                       source=str(p), config={"model": model})
+        for b, res in results.items():
+            r.metrics[b] = res["metrics"]
+            r.protocol[b] = _protocol(res)
+        out.append(r)
+    return out
+
+
+def metric_key(metric: str, n: int) -> str:
+    if metric == "avg":
+        return f"avg@{n}"
+    return metric
+
+
+@dataclass
+class Row:
+    label: str
+    cells: dict[str, Optional[tuple[float, float, int]]]  # bench -> (mean, std, seeds)
+    avg: Optional[tuple[float, float, int]]
+    ci: dict[str, tuple[float, float]] = field(default_factory=dict)  # bench -> 95% interval (seeds, or problems)
+    paper: bool = False
+    prior: bool = False
+    flagged: bool = False
+    note: str = ""
+
+
+def columns(results: list[Result], with_paper: bool) -> tuple[str, ...]:
+    """The six benchmarks in the paper's order (all six when any is present or beside the paper;
+    missing ones show as '–'), then any other benchmark present (e.g. the toy's)."""
+    present = {b for r in results for b in r.metrics}
+    six = list(PAPER_ORDER) if with_paper or present & set(PAPER_ORDER) else []
+    return tuple(six + sorted(present - set(PAPER_ORDER))) or PAPER_ORDER
+
+
+def build_rows(results: list[Result], metric: str = "avg", benches: tuple[str, ...] = PAPER_ORDER) -> tuple[list[Row], dict]:
+    """Group by (label, protocol of each benchmark); mean ± std over seeds. Returns rows and header info."""
+    from benchmarks.evaluation.metrics import bootstrap_ci
+
+    by_method: dict[str, list[Result]] = {}
+    for r in results:
+        by_method.setdefault(r.label, []).append(r)
+    by_label: dict[str, list[Result]] = {}
+    for label, rs in by_method.items():
+        # Runs of one method that differ in their recipe (beyond the seed) are different rows, labelled
+        # by what differs: "STARE-O1 [method.stare.W=2.0]".
+        keys = sorted({k for r in rs for k in r.config} )
+        differ = [k for k in keys if len({json.dumps(r.config.get(k), sort_keys=True) for r in rs}) > 1]
+        for r in rs:
+            tag = ", ".join(f"{k.removeprefix('method.')}={r.config.get(k)}" for k in differ)
+            by_label.setdefault(f"{label} [{tag}]" if tag else label, []).append(r)
+    groups: dict[tuple, list[Result]] = {}
+    for label, rs in by_label.items():
+        # Split a method's seeds only where they disagree on a benchmark's protocol; a seed that
+        # lacks a benchmark does not split anything.
+        conflict = [b for b in benches if len({r.protocol[b] for r in rs if b in r.protocol}) > 1]
+        for r in rs:
+            groups.setdefault((label, tuple(r.protocol.get(b) for b in conflict)), []).append(r)
+    protos: dict[str, set] = {b: set() for b in benches}
+    for r in results:
+        for b in benches:
+            if b in r.protocol:
+                protos[b].add(r.protocol[b])
+    mixed = {b for b, ps in protos.items() if len(ps) > 1}
+    rows = []
+    for (label, _), rs in groups.items():
+        cells: dict[str, Optional[tuple[float, float, int]]] = {}
+        ci: dict[str, tuple[float, float]] = {}
+        for b in benches:
+            vals, problem_ci = [], None
+            for r in rs:
+                if b in r.metrics:
+                    m = r.metrics[b]
+                    k = metric_key(metric, m["n"])
+                    if k in m:
+                        vals.append(m[k])
+                        problem_ci = m.get(f"ci95/{k}")
+            cells[b] = (statistics.fmean(vals), statistics.stdev(vals) if len(vals) > 1 else 0.0, len(vals)) if vals else None
+            if len(vals) > 1:  # over seeds
+                ci[b] = bootstrap_ci(vals)
+            elif problem_ci:  # one seed: over problems (from results.json)
+                ci[b] = tuple(problem_ci)
+        per_seed_avgs = []
+        for r in rs:
+            vs = [r.metrics[b][metric_key(metric, r.metrics[b]["n"])] for b in benches if b in r.metrics
+                  and metric_key(metric, r.metrics[b]["n"]) in r.metrics[b]]
+            if len(vs) == len(benches):
+                per_seed_avgs.append(sum(vs) / len(vs))
+        avg = (statistics.fmean(per_seed_avgs), statistics.stdev(per_seed_avgs) if len(per_seed_avgs) > 1 else 0.0,
+               len(per_seed_avgs)) if per_seed_avgs else None
+        proto = {b: p for r in rs for b, p in r.protocol.items()}
+        flagged = any(b in mixed for b in proto)
+        lim = any(p[5] for p in proto.values())
+        note = "; ".join(f"{b}: N={p[0]} T={p[1]} top_p={p[2]} {p[3]} max={p[4]}{' limited' if p[5] else ''}"
+                         for b, p in proto.items() if b in mixed) if flagged else ("limited" if lim else "")
+        if len(per_seed_avgs) > 1:
+            ci["avg"] = bootstrap_ci(per_seed_avgs)
+        rows.append(Row(label, cells, avg, ci=ci, flagged=flagged or lim, note=note))
+    ns = sorted({r.metrics[b]["n"] for r in results for b in r.metrics})
+    return rows, {"metric": metric, "ns": ns, "mixed": sorted(mixed)}
+
+
+def paper_rows(scenario: str, benches: tuple[str, ...] = PAPER_ORDER) -> list[Row]:
+    if scenario not in PAPER_MODELS:
+        from stare_cli.core.errors import did_you_mean
+
+        raise StareError(f"unknown paper scenario '{scenario}'{did_you_mean(scenario, PAPER_MODELS)}; "
+                         f"valid: {', '.join(PAPER_MODELS)}")
+    sc, model = PAPER_MODELS[scenario]
+    text = resources.files("benchmarks").joinpath("data/paper_table2.csv").read_text()
+    rows = []
+    for rec in csv.DictReader(io.StringIO(text)):
+        if rec["scenario"] != sc or rec["base_model"] != model:
+            continue
+        cells = {b: ((float(rec[b]), 0.0, 0) if rec.get(b) else None) for b in benches}
+        avg = (float(rec["avg"]), 0.0, 0) if rec["avg"] else None
+        rows.append(Row(f"{rec['method']} (paper)", cells, avg, paper=True, prior=rec["from_prior_work"] == "yes"))
+    return rows
+
+
+def _title(label: str) -> str:
+    from baselines.registry import METHODS
+
+    name, sep, rest = label.partition(" [")
+    return (METHODS[name].title if name in METHODS else name) + (sep + rest if sep else "")
+
+
+def add_delta(rows: list[Row], baseline: Optional[str]) -> dict[int, Optional[float]]:
+    """Average delta of each row against the baseline method's row (ours first, else the paper's)."""
+    if not baseline:
+        return {}
+    title = _title(baseline)
+    base = next((r for r in rows if not r.paper and r.label == baseline), None) or next(
+        (r for r in rows if r.paper and r.label == f"{title} (paper)"), None)
+    if base is None or base.avg is None:
+        raise StareError(f"compare: no row for baseline '{baseline}' with all benchmarks",
+                         hint="name a method present in the inputs or the paper rows")
+    return {i: (r.avg[0] - base.avg[0]) if r.avg else None for i, r in enumerate(rows)}
+
+
+def _fmt(cell: Optional[tuple[float, float, int]], with_std: bool, ci: Optional[tuple[float, float]] = None) -> str:
+    if cell is None:
+        return "–"
+    m, s, k = cell
+    txt = f"{m:.1f} ± {s:.1f}" if with_std and k > 1 else f"{m:.1f}"
+    return f"{txt} [{ci[0]:.1f}, {ci[1]:.1f}]" if ci else txt
+
+
+def render(rows: list[Row], info: dict, fmt: str, deltas: dict[int, Optional[float]],
+           benches: tuple[str, ...] = PAPER_ORDER, with_ci: bool = False) -> str:
+    metric = info["metric"]
+    ns = info["ns"]
+    mlabel = {"avg": "avg@N"}.get(metric, metric)
+    n_txt = "N=" + "/".join(str(n) for n in ns) if ns else ""
+    header = ["Method", *[BENCHMARKS[b].title for b in benches], "Avg"] + (["Δ Avg"] if deltas else []) + ["seeds"]
+    best = {}
+    for b in [*benches, "avg"]:
+        vals = [(r.avg if b == "avg" else r.cells.get(b)) for r in rows]
+        vals = [v[0] for v in vals if v is not None]
+        best[b] = max(vals) if len(vals) >= 2 else None  # bold means best of several
+    body = []
+    for i, r in enumerate(rows):
+        label = _title(r.label) if not r.paper else r.label
+        if fmt != "json":
+            label += " †" if r.prior else ""
+            label += " *" if r.flagged else ""
+        cells = []
+        for b in [*benches, "avg"]:
+            c = r.avg if b == "avg" else r.cells.get(b)
+            cells.append((_fmt(c, fmt != "csv" and fmt != "json", r.ci.get(b) if with_ci else None),
+                          c is not None and best[b] is not None and math.isclose(c[0], best[b], abs_tol=1e-9)))
+        d = deltas.get(i) if deltas else None
+        seeds = max((c[2] for c in [*r.cells.values(), r.avg] if c), default=0)
+        body.append((label, cells, d, "paper" if r.paper else str(seeds), r))
+    if fmt == "json":
+        return json.dumps({
+            "metric": metric, "n": ns, "benchmarks": list(benches), "mixed_protocols": info["mixed"],
+            "rows": [{"label": lab, "paper": r.paper, "from_prior_work": r.prior, "flagged": r.flagged, "note": r.note,
+                      "cells": {b: (None if (r.avg if b == "avg" else r.cells.get(b)) is None else
+                                    {**dict(zip(("mean", "std", "seeds"), (r.avg if b == "avg" else r.cells[b]))),
+                                     **({"ci95": list(r.ci[b])} if b in r.ci else {})})
+                                for b in [*benches, "avg"]},
+                      "delta_avg": d} for lab, _, d, _, r in body],
+        }, indent=2)
+    dtxt = lambda d: "–" if d is None else f"{d:+.1f}"  # noqa: E731
+    if fmt == "csv":  # numbers only: empty cells where there is none, marks in the notes column
+        buf = io.StringIO()
+        w = csv.writer(buf, lineterminator="\n")
+        cols = [*benches, "avg"]
+        ci_head = [f"{h} CI{e}" for b, h in zip(cols, header[1:len(cols) + 1]) for e in (" low", " high")] if with_ci else []
+        w.writerow([*header, *ci_head, "notes"])
+        for lab, _, d, seeds, r in body:
+            vals = [(r.avg if b == "avg" else r.cells.get(b)) for b in cols]
+            nums = ["" if v is None else f"{v[0]:.1f}" for v in vals]
+            cis = [("" if b not in r.ci else f"{r.ci[b][i]:.1f}") for b in cols for i in (0, 1)] if with_ci else []
+            note = "; ".join(x for x in ["from prior work (not run under the paper's recipe)" if r.prior else "",
+                                         f"different or reduced protocol: {r.note}" if r.flagged else ""] if x)
+            name = _title(r.label) if not r.paper else r.label
+            w.writerow([name, *nums, *(["" if d is None else f"{d:.1f}"] if deltas else []), seeds, *cis, note])
+        return buf.getvalue()
+    notes = []
+    if any(r.prior for r in rows):
+        notes.append("† copied by the paper from prior work (not run under its recipe)")
+    if any(r.flagged for r in rows):
+        notes.append("* made under a different or reduced protocol: " + "; ".join(
+            f"{_title(r.label)}: {r.note}" for r in rows if r.flagged and r.note))
+    if fmt == "md":
+        lines = [f"Metric: {mlabel} ({n_txt})", "", "| " + " | ".join(header) + " |",
+                 "|" + "|".join(["---"] + [":---:"] * (len(header) - 1)) + "|"]
+        for lab, cells, d, seeds, _ in body:
+            cs = [f"**{c}**" if b else c for c, b in cells]
+            lines.append("| " + " | ".join([lab, *cs, *([dtxt(d)] if deltas else []), seeds]) + " |")
+        return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
+    if fmt == "latex":
+        esc = lambda s: s.replace("%", "\\%").replace("&", "\\&").replace("_", "\\_").replace("±", "$\\pm$").replace("†", "$^\\dagger$").replace("Δ", "$\\Delta$")  # noqa: E731
+        cols = "l" + "c" * (len(header) - 1)
+        out = ["\\begin{table}[t]", "\\centering", f"\\caption{{Accuracy ({esc(mlabel)}, {n_txt}). Best per column in bold.}}",
+               f"\\begin{{tabular}}{{{cols}}}", "\\toprule", " & ".join(esc(h) for h in header) + " \\\\", "\\midrule"]
+        for lab, cells, d, seeds, _ in body:
+            cs = [f"\\textbf{{{esc(c)}}}" if b else esc(c) for c, b in cells]
+            out.append(" & ".join([esc(lab), *cs, *([esc(dtxt(d))] if deltas else []), seeds]) + " \\\\")
+        out += ["\\bottomrule", "\\end{tabular}", "\\end{table}"]
+        return "\n".join(out + [f"% {esc(n)}" for n in notes]) + "\n"
+    raise StareError(f"unknown format '{fmt}'")
+
+
+def print_rich(rows: list[Row], info: dict, deltas, benches=PAPER_ORDER, with_ci: bool = False) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    data = json.loads(render(rows, info, "json", deltas, benches))
+    mlabel = {"avg": "avg@N"}.get(info["metric"], info["metric"])
+    t = Table(title=f"Accuracy, {mlabel} (N={'/'.join(map(str, info['ns']))}); best per column in bold")
+    t.add_column("Method")
+    for b in benches:
+        t.add_column(BENCHMARKS[b].title, justify="right")
+    t.add_column("Avg", justify="right")
+    if deltas:
+        t.add_column("Δ Avg", justify="right")
+    t.add_column("seeds", justify="right")
+    md = render(rows, info, "md", deltas, benches, with_ci).splitlines()
+    table_lines = [ln for ln in md if ln.startswith("| ") and not ln.startswith("| Method")]
+    for ln, r in zip(table_lines, data["rows"]):
+        cells = [c.strip() for c in ln.strip("|").split("|")]
+        cells = [f"[bold]{c[2:-2]}[/bold]" if c.startswith("**") else c for c in cells]
+        t.add_row(*cells, style="dim" if r["paper"] else None)
+    c = Console()
+    c.print(t)
+    for ln in md:
+        if ln.startswith("†") or ln.startswith("*"):
+            c.print(ln)
+
+
+def write_plots(results: list[Result], plot_dir: Path, h_tgt: Optional[float] = None) -> list[Path]:
+    """The training-dynamics plot (runs with metrics, one label per method/variant, seeds together;
+    H_tgt from the first run's config when not given) and the pass@k plot, under `plot_dir`."""
+    from stare_cli.analysis.plots import plot_dynamics
+
+    runs_with_rows: dict[str, list] = {}
+    for r in results:
+        if r.metrics_rows:
+            runs_with_rows.setdefault(_title(r.label), []).append(r.metrics_rows)
+    made: list[Path] = []
+    if runs_with_rows:
+        if h_tgt is None:
+            cfgs = [Path(r.source) / "config.yaml" for r in results if (Path(r.source) / "config.yaml").exists()]
+            if cfgs:
+                h_tgt = yaml.safe_load(cfgs[0].read_text())["method"]["stare"]["h_tgt"]
+        made += plot_dynamics(runs_with_rows, plot_dir / "dynamics", h_tgt=h_tgt)
+    made += passk_plot(results, plot_dir)
+    return made
+
+
+def legend_labels(results: list[Result]) -> list[str]:
+    """One legend entry per input, never two alike: the method and seed, then the folder if still ambiguous."""
+    first = [f"{_title(r.label)} (seed {r.seed})" for r in results]
+    return [f"{v} {Path(r.source).name}" if first.count(v) > 1 else v for v, r in zip(first, results)]
+
+
+@dataclass
+class PassKCurve:
+    """pass@k against k for one legend entry: one run, or the mean over a label's seeds with a 95%
+    bootstrap interval (lo/hi empty for a single run)."""
+
+    ks: list[int]
+    mean: list[float]
+    lo: list[float] = field(default_factory=list)
+    hi: list[float] = field(default_factory=list)
+
+
+def passk_curves(results: list[Result], bench: str) -> dict[str, PassKCurve]:
+    """The pass@k curves to draw for a benchmark, by legend entry: the seeds of one label (several
+    runs with distinct seeds) become one mean curve with an interval; everything else one curve per run."""
+    from benchmarks.evaluation.metrics import bootstrap_ci
+
+    labels = dict(zip(map(id, results), legend_labels(results)))
+    by_label: dict[str, list[Result]] = {}
+    for r in results:
+        if r.metrics.get(bench):
+            by_label.setdefault(r.label, []).append(r)
+    out: dict[str, PassKCurve] = {}
+    for label, rs in by_label.items():
+        ks_of = [sorted(int(k.split("@")[1]) for k in r.metrics[bench] if k.startswith("pass@")) for r in rs]
+        if len(rs) > 1 and len({r.seed for r in rs}) == len(rs) and all(ks == ks_of[0] for ks in ks_of):
+            ks = ks_of[0]
+            vals = [[r.metrics[bench][f"pass@{k}"] for r in rs] for k in ks]
+            cis = [bootstrap_ci(v) for v in vals]
+            out[f"{_title(label)} ({len(rs)} seeds, mean, 95% CI)"] = PassKCurve(
+                ks, [sum(v) / len(v) for v in vals], [c[0] for c in cis], [c[1] for c in cis])
+        else:
+            for r, ks in zip(rs, ks_of):
+                out[labels[id(r)]] = PassKCurve(ks, [r.metrics[bench][f"pass@{k}"] for k in ks])
+    return out
+
+
+def passk_plot(results: list[Result], out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    present = {b for r in results for b in r.metrics}
+    benches = [b for b in PAPER_ORDER if b in present] + sorted(present - set(PAPER_ORDER))
+    if not benches:
+        return []
+    fig, axes = plt.subplots(1, len(benches), figsize=(3.6 * len(benches), 3.2), squeeze=False)
+    for ax, b in zip(axes[0], benches):
+        for name, curve in passk_curves(results, b).items():
+            line, = ax.plot(curve.ks, curve.mean, marker="o", markersize=3 if curve.lo else 5, label=name)
+            if curve.lo:
+                ax.fill_between(curve.ks, curve.lo, curve.hi, color=line.get_color(), alpha=0.2, linewidth=0)
+        ax.set_xscale("log", base=2)
+        ax.set_title(BENCHMARKS[b].title)
+        ax.set_xlabel("k")
+        ax.set_ylabel("pass@k (%)")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    return save_figure(fig, out_dir / "passk")

@@ -1,0 +1,511 @@
+"""`stare sweep`: a methods x seeds grid under one recipe, resumable, ending in the table and plots.
+
+A sweep directory holds
+    sweep.json     the manifest: recipe, overrides, backend, evaluation, and every cell (method, seed,
+                   run directory, state, exit code, times), rewritten atomically as cells change
+    sweep.log      one line per cell event with the overall ETA (also on stderr)
+    cells/<method>-seed<k>/<run dir>   each cell an ordinary run directory (`stare train --resume`,
+                   `stare compare` work on it)
+    logs/<method>-seed<k>.log          each cell's own log (stderr: progress, warnings, errors)
+    logs/<method>-seed<k>.out          its stdout (the run directory, last line)
+    table.md, table.csv, dynamics.png/.svg, summary.json   written when the cells are done
+
+Running the same command again is idempotent: a finished cell (its newest checkpoint is its last
+step) is skipped, an interrupted one resumes from its checkpoint (`stare train --resume`), one
+without a usable checkpoint starts again (`--resume --restart`), and a missing one starts. A
+failed cell does not stop the others; the summary names it and the command exits 1.
+
+Each cell is a `stare train` process of its own (one torch thread each by default), in its own
+process group and killed with the sweep (parent-death signal), so a killed sweep leaves no trainer
+writing behind it; SIGINT/SIGTERM to the sweep are passed to the running cells once (each finishes
+its step and checkpoints) and the sweep exits 130/143. The verl backend runs cells one after another,
+or writes one job script per cell (`--emit-script DIR`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional, TextIO
+
+from stare_cli.core.errors import Interrupted, StareError, UsageError
+from stare_cli.analysis.plots import plot_evals_over_training
+from stare_cli.core.runs import atomic_write_text, read_jsonl, run_finished
+
+MANIFEST = "sweep.json"
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    """What a sweep is: the same spec always means the same sweep directory and cells."""
+
+    recipe: str
+    methods: tuple[str, ...]
+    seeds: tuple[int, ...]
+    overrides: tuple[str, ...] = ()
+    backend: Optional[str] = None
+    evals: tuple[str, ...] = ()
+    eval_n: Optional[int] = None
+    eval_limit: Optional[int] = None
+
+    def settings(self) -> dict:
+        """The keys that must match when a sweep directory is run again (cells may be added)."""
+        return {"recipe": self.recipe, "overrides": list(self.overrides), "backend": self.backend,
+                "evals": list(self.evals), "eval_n": self.eval_n, "eval_limit": self.eval_limit}
+
+    def default_dir(self) -> Path:
+        blob = json.dumps({**self.settings(), "methods": sorted(self.methods), "seeds": sorted(self.seeds)},
+                          sort_keys=True)
+        return Path("sweeps") / f"{self.recipe.replace('/', '-')}-{hashlib.sha256(blob.encode()).hexdigest()[:8]}"
+
+
+@dataclass
+class Cell:
+    method: str
+    seed: int
+    run_dir: Optional[str] = None
+    state: str = "pending"  # pending | running | done | failed | interrupted | emitted
+    exit_code: Optional[int] = None
+    error: Optional[str] = None
+    seconds: Optional[float] = None
+    script: Optional[str] = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.method}-seed{self.seed}"
+
+
+@dataclass
+class SweepResult:
+    out: Path
+    cells: list[Cell]
+    table: Optional[str] = None
+    plots: list[str] = field(default_factory=list)
+
+    @property
+    def failed(self) -> list[Cell]:
+        return [c for c in self.cells if c.state == "failed"]
+
+
+# ------------------------------------------------------------------------------------ manifest
+def _load_manifest(out: Path, spec: SweepSpec) -> list[Cell]:
+    """The cells of this command, with what an earlier run of it recorded; refuses a directory that
+    holds a sweep of other settings."""
+    f = out / MANIFEST
+    old: dict[tuple[str, int], Cell] = {}
+    if f.exists():
+        try:
+            data = json.loads(f.read_text())
+        except (OSError, ValueError):
+            raise StareError(f"{f}: not a sweep manifest", hint="use another --out") from None
+        if data.get("settings") != spec.settings():
+            diff = [k for k in spec.settings() if data.get("settings", {}).get(k) != spec.settings()[k]]
+            raise StareError(f"{out} holds a sweep with other settings ({', '.join(diff)})",
+                             hint="run it with its own settings (sweep.json), or use another --out")
+        old = {(c["method"], c["seed"]): Cell(**c) for c in data.get("cells", [])}
+    cells = [old.pop((m, s), Cell(m, s)) for m in spec.methods for s in spec.seeds]
+    return cells + list(old.values())  # cells of earlier invocations stay in the manifest and the table
+
+
+def _save_manifest(out: Path, spec: SweepSpec, cells: list[Cell]) -> None:
+    atomic_write_text(out / MANIFEST, json.dumps({"settings": spec.settings(), "cells": [asdict(c) for c in cells]},
+                                                 indent=2))
+
+
+def cell_run_dir(out: Path, cell: Cell) -> Optional[Path]:
+    """The cell's run directory: the one under cells/<cell>/ that stare created (has meta.json)."""
+    found = sorted(p for p in (out / "cells" / cell.name).glob("*") if (p / "meta.json").exists())
+    return found[-1] if found else None
+
+
+# ------------------------------------------------------------------------------------- commands
+def _train_command(spec: SweepSpec, out: Path, cell: Cell, threads: int, run_dir: Optional[Path],
+                   emit: Optional[Path], shared_dir: Optional[Path]) -> list[str]:
+    cmd = [sys.executable, "-m", "stare_cli", "train"]
+    if run_dir is not None:  # resume (or restart) the cell's own run
+        cmd += ["--resume", str(run_dir)]
+        if not _has_checkpoint(run_dir):
+            cmd.append("--restart")
+    else:
+        cmd += ["--recipe", spec.recipe, "--method", cell.method, "--out", str(out / "cells" / cell.name)]
+        for o in (*spec.overrides, f"optim.seed={cell.seed}"):
+            cmd += ["-o", o]
+        if spec.backend:
+            cmd += ["--backend", spec.backend]
+    if spec.backend != "verl":
+        cmd += ["--threads", str(threads)]
+    if emit is not None:
+        cmd += ["--emit-script", str(emit / f"{cell.name}.sh")]
+        if shared_dir is not None:
+            cmd += ["--shared-dir", str(shared_dir)]
+    return cmd
+
+
+def _has_checkpoint(run_dir: Path) -> bool:
+    from stare_cli.core.runs import usable_checkpoint
+
+    if usable_checkpoint(run_dir)[0] is not None:
+        return True
+    return (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").exists()
+
+
+def _die_with_sweep() -> None:
+    """In each cell process before exec: killed when the sweep dies (even by SIGKILL)."""
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
+class _Log:
+    """Lines on stderr and in sweep.log."""
+
+    def __init__(self, path: Path, stream: TextIO):
+        self.file = open(path, "a")
+        self.stream = stream
+
+    def __call__(self, text: str) -> None:
+        line = f"{time.strftime('%H:%M:%S')} {text}"
+        print(line, file=self.stream, flush=True)
+        self.file.write(line + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _fmt_s(s: float) -> str:
+    return f"{int(s // 3600)}h{int(s % 3600 // 60):02d}m" if s >= 3600 else f"{int(s // 60)}m{int(s % 60):02d}s"
+
+
+# ------------------------------------------------------------------------------------------ run
+def run_sweep(spec: SweepSpec, out: Optional[Path] = None, parallel: Optional[int] = None, threads: int = 1,
+              emit_script: Optional[Path] = None, shared_dir: Optional[Path] = None, paper: Optional[str] = None,
+              stream: Optional[TextIO] = None) -> SweepResult:
+    """Train (or resume, or skip) every cell, then evaluate, tabulate and plot. Returns the result;
+    `result.failed` lists failed cells (the CLI exits 1 when there are any)."""
+    from stare_cli.backends import check as check_backend
+    from stare_cli.core.resolve import load_recipe
+
+    if not spec.methods or not spec.seeds:
+        raise UsageError("a sweep needs at least one --method and one --seed")
+    verl = spec.backend == "verl"
+    if verl and parallel not in (None, 1) and emit_script is None:
+        raise UsageError("the verl backend runs a sweep's cells one after another", hint="drop --parallel")
+    if emit_script is not None and not verl:
+        raise UsageError("--emit-script writes verl job scripts", hint="add --backend verl")
+    for m in spec.methods:  # every cell's recipe resolves and the backend takes it, before anything runs
+        cfg = load_recipe(spec.recipe, m, [*spec.overrides, *([f"backend.name={spec.backend}"] if spec.backend else [])])
+        check_backend(cfg)
+    parallel = 1 if verl else (parallel or max(1, (os.cpu_count() or 1) // threads))
+    out = Path(out) if out is not None else spec.default_dir()
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    cells = _load_manifest(out, spec)
+    log = _Log(out / "sweep.log", stream or sys.stderr)
+    try:
+        if emit_script is not None:
+            _emit(spec, out, cells, emit_script, shared_dir, log)
+            return SweepResult(out, cells)
+        _train_cells(spec, out, cells, parallel, threads, log)
+        done = [c for c in cells if c.state == "done"]
+        if spec.evals and done:
+            _evaluate_cells(spec, out, done, log)
+        result = SweepResult(out, cells)
+        if done:
+            result.table, result.plots = _report(spec, out, done, paper)
+        failed = result.failed
+        log(f"sweep done: {len(done)} of {len(cells)} cells finished" +
+            (f"; failed: {', '.join(f'{c.name} ({c.error})' for c in failed)}" if failed else ""))
+        return result
+    finally:
+        log.close()
+
+
+@dataclass
+class _Running:
+    """A cell's training process and its open log (stderr) and stdout files."""
+
+    proc: subprocess.Popen
+    cell: Cell
+    start: float
+    log: TextIO
+    stdout: TextIO
+
+    def close(self) -> None:
+        self.log.close()
+        self.stdout.close()
+
+
+def _train_cells(spec: SweepSpec, out: Path, cells: list[Cell], parallel: int, threads: int, log: _Log) -> None:
+    todo: list[Cell] = []
+    for c in cells:
+        rd = cell_run_dir(out, c)
+        c.run_dir = str(rd) if rd else None
+        if rd is not None and run_finished(rd):
+            c.state = "done"
+        else:
+            c.state = "pending"
+            todo.append(c)
+    _save_manifest(out, spec, cells)
+    skipped = len(cells) - len(todo)
+    log(f"sweep {out}: {len(cells)} cells ({skipped} already finished, {len(todo)} to run, {parallel} at a time)")
+    if not todo:
+        return
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": "PASSIVE"}
+    running: dict[str, _Running] = {}
+    durations: list[float] = []
+    got: list[int] = []
+    old = {s: signal.signal(s, lambda signum, frame: got.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    forwarded = 0
+    t0 = time.time()
+    try:
+        while running or (todo and not got):
+            while todo and len(running) < parallel and not got:
+                c = todo.pop(0)
+                rd = cell_run_dir(out, c)
+                cmd = _train_command(spec, out, c, threads, rd, None, None)
+                f = open(out / "logs" / f"{c.name}.log", "a")
+                f.write(f"\n$ {' '.join(cmd)}\n")
+                f.flush()
+                # stdout to a file, not a pipe: a pipe nobody reads until exit blocks a chatty cell
+                fo = open(out / "logs" / f"{c.name}.out", "w")
+                p = subprocess.Popen(cmd, stdout=fo, stderr=f, text=True, env=env,
+                                     start_new_session=True, preexec_fn=_die_with_sweep)
+                c.state = "running"
+                running[c.name] = _Running(p, c, time.time(), f, fo)
+                _save_manifest(out, spec, cells)
+                log(f"start {c.name} ({'resume' if rd else 'new'}){' ' + str(rd) if rd else ''}")
+            if len(got) > forwarded:  # pass each signal on once: the cells checkpoint and stop
+                for r in running.values():
+                    try:
+                        r.proc.send_signal(got[forwarded])
+                    except ProcessLookupError:
+                        pass
+                forwarded = len(got)
+            for name, r in list(running.items()):
+                p, c, start = r.proc, r.cell, r.start
+                if p.poll() is None:
+                    continue
+                r.close()
+                stdout = Path(r.stdout.name).read_text(errors="replace")
+                del running[name]
+                c.exit_code, c.seconds = p.returncode, round(time.time() - start, 1)
+                rd = cell_run_dir(out, c)
+                c.run_dir = str(rd) if rd else (stdout.strip().splitlines() or [None])[-1]
+                if p.returncode == 0:
+                    c.state, c.error = "done", None
+                    durations.append(c.seconds)
+                elif p.returncode in (130, 143) and got:
+                    c.state, c.error = "interrupted", "interrupted (resumes with the same command)"
+                else:
+                    c.state = "failed"
+                    tail = (out / "logs" / f"{c.name}.log").read_text().strip().splitlines()
+                    errs = [x for x in tail if x.startswith("error:")]
+                    c.error = (errs or tail or ["no output"])[-1].removeprefix("error: ")[:300]
+                _save_manifest(out, spec, cells)
+                finished = sum(x.state in ("done", "failed") for x in cells)
+                eta = ""
+                if durations and (todo or running):
+                    mean = statistics.fmean(durations)
+                    left = math.ceil((len(todo) + len(running)) / parallel) * mean
+                    eta = f"; ETA {_fmt_s(left)}"
+                log(f"[{finished}/{len(cells)}] {c.name} {c.state} in {_fmt_s(c.seconds)} (exit {c.exit_code})"
+                    f"{'' if c.state == 'done' else ': ' + (c.error or '')}; {len(running)} running, "
+                    f"{len(todo)} waiting{eta}")
+            time.sleep(0.2)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        for r in running.values():  # only when this loop itself failed
+            r.proc.kill()
+            r.close()
+    if got:
+        code = 128 + got[0]
+        raise Interrupted(f"sweep interrupted after {_fmt_s(time.time() - t0)}; the cells wrote checkpoints; "
+                          f"run the same command again to finish it", code)
+
+
+def _emit(spec: SweepSpec, out: Path, cells: list[Cell], emit: Path, shared_dir: Optional[Path], log: _Log) -> None:
+    emit.mkdir(parents=True, exist_ok=True)
+    for c in cells:
+        if c.script and Path(c.script).exists():
+            log(f"{c.name}: {c.script} (written before)")
+            continue
+        cmd = _train_command(spec, out, c, 1, None, emit, shared_dir)
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            c.state, c.error = "failed", (r.stderr.strip().splitlines() or ["no output"])[-1]
+        else:
+            c.state, c.script = "emitted", str(emit / f"{c.name}.sh")
+            c.run_dir = r.stdout.strip().splitlines()[-1]
+        _save_manifest(out, spec, cells)
+        log(f"{c.name}: {c.state} {c.script or c.error}")
+
+
+def _evaluate_cells(spec: SweepSpec, out: Path, done: list[Cell], log: _Log) -> None:
+    """Each final checkpoint on the --eval benchmarks, prompted as it was trained (the recipe's
+    data.template), under each benchmark's protocol unless --eval-n / --eval-limit say otherwise."""
+    import yaml
+
+    from benchmarks.evaluation.evaluate import run_eval
+
+    for c in done:
+        ckpt = Path(c.run_dir) / "checkpoints" / "latest"
+        template = yaml.safe_load((Path(c.run_dir) / "config.yaml").read_text())["data"]["template"]
+        t = time.time()
+        run_eval(str(ckpt), list(spec.evals), n=spec.eval_n, limit=spec.eval_limit,  # keyed: re-runs skip work
+                 template=template, seed=c.seed)
+        log(f"evaluated {c.name} on {', '.join(spec.evals)} in {_fmt_s(time.time() - t)}")
+
+
+# --------------------------------------------------------------------------------------- report
+def dynamics_summary(rows: list[dict], h_tgt: float) -> dict:
+    """Numbers that say whether a run shows the Fig. 3 shape: the entropy at the start and end, its
+    band and least-squares trend over the second half, the gate's on-share, the last evaluation."""
+    train = [r for r in rows if "entropy" in r]
+    if not train:
+        return {}
+    ent = [r["entropy"] for r in train]
+    half = ent[len(ent) // 2 :]
+    tail = ent[-max(5, len(ent) // 5) :]
+    xs = list(range(len(half)))
+    mx, my = sum(xs) / len(xs), sum(half) / len(half)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, half)) / max(sum((x - mx) ** 2 for x in xs), 1e-12)
+    evals = [r for r in rows if any(k.startswith("eval/") and k.endswith("/acc") for k in r)]
+    last_eval = evals[-1] if evals else {}
+    acc = next((v for k, v in last_eval.items() if k.startswith("eval/") and k.endswith("/acc")), None)
+    return {
+        "steps": train[-1]["step"],
+        "entropy_start": ent[0],
+        "entropy_end": sum(tail) / len(tail),
+        "entropy_2nd_half_min": min(half),
+        "entropy_2nd_half_max": max(half),
+        "entropy_2nd_half_mean": sum(half) / len(half),
+        "slope_2nd_half_per_100": 100 * slope,
+        "still_falling": 100 * slope < -0.01,
+        "gate_on_share": sum(r.get("stare/gate", 0.0) for r in train) / len(train),
+        "eval_acc": acc,
+        "train_reward_last": sum(r["reward"] for r in train[-10:]) / len(train[-10:]),
+        **_tail_mean(train, "len/mean", "len_end"),
+        **_tail_mean(train, "reflection_rate", "reflection_rate_end"),
+        "h_tgt": h_tgt,
+    }
+
+
+def _tail_mean(rows: list[dict], key: str, name: str) -> dict:
+    """{name: mean of `key` over the last fifth of the rows (at least 5)}, or {} when never logged."""
+    vals = [r[key] for r in rows if r.get(key) is not None]
+    tail = vals[-max(5, len(vals) // 5):]
+    return {name: sum(tail) / len(tail)} if tail else {}
+
+
+def seeds_summary(per_seed: list[dict]) -> dict:
+    """Mean, sample std and 95% bootstrap interval over seeds of every numeric summary value."""
+    from benchmarks.evaluation.metrics import bootstrap_ci
+
+    out: dict[str, dict] = {}
+    keys = [k for k in per_seed[0] if isinstance(per_seed[0][k], (int, float)) and not isinstance(per_seed[0][k], bool)]
+    for k in keys:
+        vals = [float(s[k]) for s in per_seed if s.get(k) is not None]
+        if not vals:
+            continue
+        out[k] = {"mean": statistics.fmean(vals), "std": statistics.stdev(vals) if len(vals) > 1 else 0.0,
+                  "n": len(vals), "ci95": list(bootstrap_ci(vals)) if len(vals) > 1 else [vals[0], vals[0]]}
+    return out
+
+
+def _report(spec: SweepSpec, out: Path, done: list[Cell], paper: Optional[str]) -> tuple[str, list[str]]:
+    """table.md / table.csv (`stare compare` over the finished cells), the dynamics plot, and
+    summary.json with the per-seed Fig. 3 numbers and their mean, spread and interval per method."""
+    import yaml
+
+    from stare_cli.analysis import compare as C
+
+    runs = [Path(c.run_dir) for c in done]
+    results = C.load_inputs(runs)
+    cols = C.columns(results, with_paper=paper is not None)
+    rows, info = C.build_rows(results, "avg", cols)
+    if paper:
+        rows = rows + C.paper_rows(paper, cols)
+    md = C.render(rows, info, "md", C.add_delta(rows, None), cols, True)
+    atomic_write_text(out / "table.md", md)
+    atomic_write_text(out / "table.csv", C.render(rows, info, "csv", C.add_delta(rows, None), cols, True))
+    h_tgt = yaml.safe_load((runs[0] / "config.yaml").read_text())["method"]["stare"]["h_tgt"]
+    plots = [str(p) for p in C.write_plots(results, out, h_tgt)]
+    per_method: dict[str, dict] = {}
+    for c in done:
+        s = dynamics_summary(read_jsonl(Path(c.run_dir) / "metrics.jsonl"), h_tgt)
+        per_method.setdefault(c.method, {"seeds": {}})["seeds"][c.seed] = s
+    for m, d in per_method.items():
+        d["over_seeds"] = seeds_summary(list(d["seeds"].values()))
+        d["evaluations"] = eval_summary([Path(c.run_dir) for c in done if c.method == m])
+    summary = {"settings": spec.settings(), "methods": per_method}
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
+    atomic_write_text(out / "report.md", report_markdown(summary))
+    plots += [str(p) for p in plot_evals_over_training(
+        {m: d["evaluations"] for m, d in per_method.items()}, out / "passk_over_training")]
+    return md, plots
+
+
+def eval_summary(runs: list[Path]) -> dict:
+    """Evaluation metrics of a method's runs (seeds), per benchmark and protocol: every results.json
+    under run/eval (the in-training ones per step, and final ones such as `--eval`), each metric's
+    mean, std and 95% interval over seeds. Keys: '<bench> n=<N> step=<S>'."""
+    from benchmarks.evaluation.evaluate import latest_grader_results
+
+    per: dict[str, list[dict]] = {}
+    for run in runs:
+        mine: dict[str, dict] = {}  # one entry per key and run (the newest, should settings differ only in limit)
+        for latest in sorted((run / "eval").rglob("results.json")):
+            step = next((x.name.split("-")[1].lstrip("0") or "0" for x in latest.parents if x.name.startswith("step-")), "?")
+            for res in latest_grader_results(latest.parent):
+                key = f"{res['benchmark']} n={res['metrics']['n']} step={step}"
+                mine[key] = {k: v for k, v in res["metrics"].items() if k.startswith(("avg@", "pass@", "maj@"))}
+        for key, metrics in mine.items():
+            per.setdefault(key, []).append(metrics)
+
+    def order(key: str) -> tuple:
+        bench, n, step = key.split()
+        return bench, int(n[2:]), int(step[5:]) if step[5:].isdigit() else 1 << 30
+
+    return {k: seeds_summary(per[k]) for k in sorted(per, key=order)}
+
+
+def over_seeds_text(o: Optional[dict], digits: int, scale: float = 1.0) -> str:
+    """One `seeds_summary` entry as "mean ± std [lo, hi]" (values times `scale`), "–" when absent."""
+    if not o:
+        return "–"
+    m, sd, (lo, hi) = (scale * o["mean"], scale * o["std"], (scale * v for v in o["ci95"]))
+    return f"{m:.{digits}f} ± {sd:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"
+
+
+def report_markdown(summary: dict) -> str:
+    """summary.json as tables: the Fig. 3 numbers, then each evaluation's pass@k over seeds."""
+    lines = [f"# Sweep report: {summary['settings']['recipe']}", "",
+             "Mean ± std over seeds [95% bootstrap interval]; n = seeds.", ""]
+    methods = summary["methods"]
+    keys = ("entropy_start", "entropy_end", "entropy_2nd_half_mean", "slope_2nd_half_per_100", "train_reward_last",
+            "len_end", "reflection_rate_end")
+    lines += ["| method | n | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
+    for m, d in methods.items():
+        o = d["over_seeds"]
+        cells = [over_seeds_text(o.get(k), 3) for k in keys]
+        lines.append(f"| {m} | {len(d['seeds'])} | " + " | ".join(cells) + " |")
+    evals = list(dict.fromkeys(k for d in methods.values() for k in d.get("evaluations", {})))
+    for key in evals:
+        metrics = sorted({x for d in methods.values() for x in d["evaluations"].get(key, {})},
+                         key=lambda x: (x.split("@")[0], int(x.split("@")[1])))
+        metrics = [x for x in metrics if not x.startswith("maj@")]
+        lines += ["", f"## {key}", "", "| method | " + " | ".join(metrics) + " |", "|---|" + "---|" * len(metrics)]
+        for m, d in methods.items():
+            e = d["evaluations"].get(key, {})
+            lines.append(f"| {m} | " + " | ".join(over_seeds_text(e.get(x), 1) for x in metrics) + " |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,324 @@
+"""The run directory layout; the one module that knows it.
+
+runs/<recipe>__<method>__seed<k>__<YYYYmmdd-HHMMSS>/
+    config.yaml        the fully resolved recipe in effect (after any resume overrides)
+    config-history.jsonl  one row per start and resume: step, overrides, the keys they changed, argv
+    meta.json          git SHA, command line, package versions, host, device (of the first start)
+    metrics.jsonl      one JSON object per training step (and eval rows with "eval/..." keys)
+    checkpoints/       step-<n>/ (model.safetensors, trainer.pt, state.json, manifest.json);
+                       `latest` names the newest
+    samples/           step-<n>.jsonl rollout samples
+    eval/              evaluation outputs (results.json, samples.jsonl per benchmark)
+
+Guarantees (README, "Reliability"): run directories are created atomically (two processes never
+share one); a checkpoint directory appears under its final name only once complete and fsynced, with
+a manifest of its files' sizes written last; `latest` moves after that. A resume picks the newest
+checkpoint whose manifest, safetensors header and state match the files, names any it skips, and
+refuses (with `--restart` as the way out) when there is none.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from stare_cli.core.config import Recipe
+
+
+def run_name(recipe: Recipe, now: float | None = None) -> str:
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    return f"{recipe.name.replace('/', '-')}__{recipe.method.name}__seed{recipe.optim.seed}__{stamp}"
+
+
+def new_run_dir(recipe: Recipe, root: str | Path = "runs") -> Path:
+    """Create a fresh run directory. `mkdir` either creates the directory or fails, so two processes
+    starting in the same second never share one: the loser takes the next suffix (-2, -3, ...)."""
+    path = make_unique_dir(Path(root) / run_name(recipe))
+    for sub in ("checkpoints", "samples", "eval"):
+        (path / sub).mkdir()
+    return path
+
+
+def make_unique_dir(base: Path) -> Path:
+    """Create `base`, or `base-2`, `base-3`, ... (the first that does not exist), atomically."""
+    base.parent.mkdir(parents=True, exist_ok=True)
+    i = 1
+    while True:
+        path = base if i == 1 else base.with_name(f"{base.name}-{i}")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            i += 1
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file and directory under `root` (and `root` itself): after this, a crash or power
+    cut cannot leave the tree half-written on a filesystem that honours fsync."""
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(dirpath))
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory: makes the creation, rename or removal of its entries durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write via a temp file in the same directory and rename: readers never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def git_sha(cwd: Path | None = None) -> str | None:
+    """The SHA of the source checkout this code runs from (None outside a git checkout)."""
+    here = cwd or Path(__file__).resolve().parent
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True, text=True, timeout=5
+        ).stdout.strip()
+        return out + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment_summary() -> dict[str, Any]:
+    from importlib import metadata
+
+    versions = {}
+    for pkg in ("stare", "torch", "transformers", "math-verify", "verl", "vllm", "lm-eval"):
+        try:
+            versions[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            pass
+    return {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "host": platform.node(),
+        "packages": versions,
+        "argv": sys.argv,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def write_run_meta(run_dir: Path, recipe: Recipe, extra: dict[str, Any] | None = None) -> None:
+    from stare_cli.core.recipes import recipe_to_yaml
+
+    atomic_write_text(run_dir / "config.yaml", recipe_to_yaml(recipe))
+    meta = {"git_sha": git_sha(), **environment_summary(), **(extra or {})}
+    atomic_write_text(run_dir / "meta.json", json.dumps(meta, indent=2))
+
+
+def record_config(run_dir: Path, recipe: Recipe, event: str, step: int, overrides: list[str],
+                  changed: dict[str, list] | None = None, extra: dict[str, Any] | None = None) -> None:
+    """Write the recipe in effect to config.yaml and append what happened to config-history.jsonl:
+    `event` (start, resume, restart), the step training continues from, the overrides given and the
+    keys they changed ([old, new])."""
+    from stare_cli.core.recipes import recipe_to_yaml
+
+    atomic_write_text(run_dir / "config.yaml", recipe_to_yaml(recipe))
+    append_jsonl(run_dir / "config-history.jsonl",
+                 {"event": event, "step": step, "overrides": list(overrides), "changed": changed or {},
+                  "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git_sha": git_sha(), "argv": sys.argv,
+                  **(extra or {})})
+
+
+def append_jsonl(path: Path, row: dict[str, Any]) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+        f.flush()
+
+
+def read_jsonl(path: Path, strict: bool = False) -> list[dict[str, Any]]:
+    """Rows of a JSONL file. A torn last line (a crash mid-write) is ignored; with `strict`, any other
+    line that is not a JSON object is an error naming the file and line. Non-UTF-8 content is an
+    error naming the file."""
+    from stare_cli.core.errors import StareError
+
+    rows: list[dict[str, Any]] = []
+    if not path.exists():
+        return rows
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise StareError(f"{path}: not UTF-8 text (byte {e.start})", hint="is this the file stare wrote?") from None
+    lines = text.splitlines()
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row = None
+        if isinstance(row, dict):
+            rows.append(row)
+        elif strict and i < len(lines):
+            raise StareError(f"{path}:{i}: not a JSON object", hint="each line of a .jsonl file is one JSON object")
+    return rows
+
+
+# ----------------------------------------------------------------------------------- checkpoints
+MANIFEST = "manifest.json"
+STATE = "state.json"
+
+
+def write_manifest(ckpt: Path) -> None:
+    """Record the size of every file of a finished checkpoint directory (written last, fsynced)."""
+    files = {str(p.relative_to(ckpt)): p.stat().st_size for p in sorted(ckpt.rglob("*")) if p.is_file()}
+    atomic_write_text(ckpt / MANIFEST, json.dumps({"files": files}, indent=1))
+
+
+def checkpoint_problem(ckpt: Path) -> str | None:
+    """Why `ckpt` cannot be resumed from (naming the file), or None when it is intact: the manifest
+    exists and every file in it has its recorded size, `state.json` parses, and each safetensors file's
+    header parses and accounts for the file's length. Catches truncation and partial copies, not
+    bit flips inside tensor data (no checksums: hashing hundreds of GB per checkpoint costs minutes)."""
+    if not ckpt.is_dir():
+        return f"{ckpt}: missing"
+    try:
+        files = json.loads((ckpt / MANIFEST).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{ckpt / MANIFEST}: missing or unreadable (the checkpoint was never finished)"
+    for name, size in files.items():
+        f = ckpt / name
+        if not f.is_file():
+            return f"{f}: missing"
+        if f.stat().st_size != size:
+            return f"{f}: {f.stat().st_size} bytes, {size} when written (truncated or replaced)"
+    try:
+        state = json.loads((ckpt / STATE).read_text())
+        if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+            return f"{ckpt / STATE}: no step recorded"
+    except (OSError, ValueError):
+        return f"{ckpt / STATE}: missing or not JSON"
+    for f in sorted(ckpt.glob("*.safetensors")):
+        problem = _safetensors_problem(f)
+        if problem:
+            return f"{f}: {problem}"
+    return None
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    """A safetensors file is an 8-byte header length, a JSON header, then the tensor bytes; the header's
+    largest end offset must end exactly at the end of the file."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if n <= 0 or 8 + n > size:
+                return "incomplete header"
+            header = json.loads(f.read(n))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return "unreadable header"
+    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)]
+    if 8 + n + max(ends, default=0) != size:
+        return f"{size} bytes, the header needs {8 + n + max(ends, default=0)} (truncated)"
+    return None
+
+
+def checkpoint_steps(run_dir: Path) -> list[Path]:
+    """The run's step-N checkpoint directories, newest first."""
+    root = run_dir / "checkpoints"
+    return sorted((p for p in root.glob("step-*") if p.is_dir()), key=lambda p: p.name, reverse=True)
+
+
+def usable_checkpoint(run_dir: Path) -> tuple[Path | None, list[str]]:
+    """The checkpoint to resume from: what `latest` names when intact, else the newest intact one.
+    Returns it (None when there is none) and the reasons for every newer one skipped."""
+    latest = run_dir / "checkpoints" / "latest"
+    skipped: list[str] = []
+    candidates = checkpoint_steps(run_dir)
+    if latest.is_symlink() or latest.exists():
+        target = latest.resolve()
+        if not target.exists():
+            skipped.append(f"{latest} points to {target.name}, which does not exist")
+        elif target in [c.resolve() for c in candidates]:
+            candidates.remove(next(c for c in candidates if c.resolve() == target))
+            candidates.insert(0, target)
+    for c in candidates:
+        problem = checkpoint_problem(c)
+        if problem is None:
+            return c, skipped
+        skipped.append(problem)
+    return None, skipped
+
+
+def clean_stale_temporaries(run_dir: Path) -> list[Path]:
+    """Remove the half-written checkpoint directories a killed run leaves (`.tmp-step-*`)."""
+    gone = []
+    for tmp in (run_dir / "checkpoints").glob(".tmp-*"):
+        shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+        gone.append(tmp)
+    return gone
+
+
+def hold_run_lock(run_dir: Path):
+    """An exclusive lock on `run_dir` for as long as the returned file stays open (the process's
+    lifetime at most): two trainers never write one run directory. Raises StareError when held."""
+    import fcntl
+
+    from stare_cli.core.errors import StareError
+
+    f = open(run_dir / ".lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip() or "?"
+        f.close()
+        raise StareError(f"{run_dir} is being trained by another process (pid {holder})",
+                         hint="wait for it to finish, or stop it first") from None
+    f.seek(0)
+    f.truncate()
+    f.write(str(os.getpid()))
+    f.flush()
+    return f
+
+
+def run_finished(run_dir: Path) -> bool:
+    """Whether a run directory's newest checkpoint is its last step (config.yaml's optim.total_steps),
+    for either backend's checkpoint layout."""
+    import yaml
+
+    try:
+        total = yaml.safe_load((run_dir / "config.yaml").read_text())["optim"]["total_steps"]
+    except (OSError, KeyError, TypeError, yaml.YAMLError):
+        return False
+    ckpt, _ = usable_checkpoint(run_dir)
+    if ckpt is not None:
+        return json.loads((ckpt / STATE).read_text()).get("step") == total
+    tracker = run_dir / "checkpoints" / "latest_checkpointed_iteration.txt"  # verl's
+    try:
+        return int(tracker.read_text().strip()) == total
+    except (OSError, ValueError):
+        return False

@@ -1,0 +1,290 @@
+"""The method layer: one object that both training backends call for everything a method decides.
+
+`MethodLayer.from_recipe(recipe)` is the only constructor. The embedded trainer builds it once; on
+verl every process rebuilds it from the resolved recipe, which travels inside verl's own config
+(`stare.recipe`) and, for the actor, inside each update's batch (stare_cli/backends/verl_ext.py).
+So the two backends run the same code for:
+
+1. the reward (`score`): the recipe's reward function (`reward.fn`), the truncation rule
+   (`rollout.truncated`), the optional format penalty and DAPO's overlong shaping;
+2. dynamic sampling (`keep_groups`): drop groups whose accuracy is the same for every response,
+   keep groups of one response (the official trainer and verl both do);
+3. advantages per response (`advantages`): GRPO, Dr.GRPO or W-REINFORCE;
+4. the STARE controller (`begin_step`): once per step, from the batch's token-mean entropy of the
+   old-log-prob pass; returns the `StareState` (gate, W, M) the loss calls need;
+5. the per-batch transform (`transform_batch`): advantages over tokens, the truncation mask, the
+   80/20 mask (as zero advantages), batch-scope STARE weights, the quadrant diagnostics;
+6. the micro-batches of a mini-batch (`micro_batches`): the token budget or fixed rows;
+7. the policy loss (`loss`): per-loss-call transforms (official-scope STARE on the current log-probs,
+   EntroAdv on the current entropy), one dispatch over the loss family, and the entropy bonus.
+
+Recipes are resolved with their method's defining keys below this layer (stare_cli/core/resolve.py:
+`load_recipe`). The tensor math stays in `baselines/`.
+
+Deviations from the official STARE code (all stated in the README's Fidelity section): ties in
+surprisal are broken by position (baselines/stare.py); the 80/20 rule and W-REINFORCE are expressed as
+advantage transforms (exact for the PPO-clip family, since the loss is linear in A per token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from baselines import (
+    Agg,
+    StareController,
+    dynamic_sampling_keep,
+    entro_adv,
+    grpo_advantage,
+    overlong_penalty,
+    quadrant_stats,
+    token_budget_micro_batches,
+    top_entropy_mask,
+    w_reinforce_advantage,
+)
+from baselines.losses import clip_cov_loss, entropy_bonus, gspo_loss, kl_cov_loss, ppo_clip_loss
+from baselines.registry import MethodSpec
+from baselines.stare import stare_scale
+from stare_cli.core.config import Recipe
+from stare_cli.core.resolve import check_method
+
+
+# --------------------------------------------------------------------------------------- records
+@dataclass
+class RolloutScores:
+    """Per response [B]: the training reward, the accuracy dynamic sampling filters on, the official
+    format check and `score` field; plus the verdicts (grader name, extracted answer, reason)."""
+
+    reward: Tensor
+    acc: Tensor
+    format: Tensor
+    official_score: Tensor
+    verdicts: list = field(default_factory=list)
+
+    def metrics(self) -> dict[str, float]:
+        return {"reward": float(self.reward.mean()), "acc": float(self.acc.mean()),
+                "format": float(self.format.mean()), "official_score": float(self.official_score.mean())}
+
+
+@dataclass(frozen=True)
+class StareState:
+    """What a loss call needs from the controller (the official code passes the same through the
+    batch's meta_info)."""
+
+    gate: bool
+    W: float
+    M: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"gate": bool(self.gate), "W": float(self.W), "M": float(self.M)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "StareState":
+        return cls(gate=bool(d["gate"]), W=float(d["W"]), M=float(d["M"]))
+
+
+@dataclass
+class BatchInputs:
+    """One training batch after dynamic sampling. rewards, group, finished: [B]; mask, old_log_prob,
+    entropy: [B, T] (mask: valid response tokens; tool observations already 0)."""
+
+    rewards: Tensor
+    group: Tensor
+    mask: Tensor
+    old_log_prob: Tensor
+    entropy: Tensor
+    finished: Tensor
+
+
+@dataclass
+class BatchTransform:
+    """Token advantages and the loss mask [B, T] the loss calls get, and the step's metrics."""
+
+    advantages: Tensor
+    mask: Tensor
+    metrics: dict[str, float]
+
+
+@dataclass
+class LossInputs:
+    """One loss call (a micro-batch), [b, T] each. log_prob and entropy are the current policy's
+    (log_prob with grad; entropy with grad when the entropy bonus needs it, else may be None)."""
+
+    log_prob: Tensor
+    old_log_prob: Tensor
+    advantages: Tensor
+    mask: Tensor
+    agg: Agg
+    entropy: Optional[Tensor] = None
+    stare: Optional[StareState] = None
+    generator: Optional[torch.Generator] = None
+
+
+# ------------------------------------------------------------------------------------------ layer
+class MethodLayer:
+    """Everything a method decides, for one run (module docstring). Build with `from_recipe`."""
+
+    def __init__(self, recipe: Recipe, spec: MethodSpec):
+        self.recipe = recipe
+        self.spec = spec
+        self.cfg = recipe.method
+        self.controller: Optional[StareController] = None
+        if spec.stare:
+            s = self.cfg.stare
+            self.controller = StareController(variant=spec.stare, P=s.P, W=s.W, M=s.M, h_tgt=s.h_tgt,
+                                              adaptive=s.adaptive, alpha=s.alpha, w_max=s.w_max, m_min=s.m_min)
+        self._reward_fn = None
+
+    @classmethod
+    def from_recipe(cls, recipe: Recipe) -> "MethodLayer":
+        """The one constructor: from a resolved recipe (or its serialised form, a dict)."""
+        if isinstance(recipe, dict):
+            recipe = Recipe.model_validate(recipe)
+        return cls(recipe, check_method(recipe.method.name))
+
+    # ---- properties the backends ask about
+    @property
+    def stare_scope(self) -> Optional[str]:
+        """'official' or 'batch' for STARE methods, None otherwise."""
+        return self.cfg.stare.scope if self.spec.stare else None
+
+    @property
+    def needs_entropy_in_loss(self) -> bool:
+        """Whether loss calls need the current policy's token entropy (EntroAdv, the entropy bonus)."""
+        return self.spec.entro_adv or self.cfg.entropy_coef > 0
+
+    # ---- 1. reward
+    def reward_function(self, workers: int = 0):
+        """The recipe's reward function (benchmarks.grading.rewards), created on first use; `close()` ends it."""
+        if self._reward_fn is None:
+            from benchmarks.grading.rewards import RewardFunction
+
+            self._reward_fn = RewardFunction(self.recipe.reward.fn, timeout=self.recipe.reward.timeout_s,
+                                             workers=workers)
+        return self._reward_fn
+
+    def close(self) -> None:
+        if self._reward_fn is not None:
+            self._reward_fn.close()
+            self._reward_fn = None
+
+    def score(self, texts: Sequence[str], golds: Sequence[str], finished: Sequence[bool],
+              lengths: Sequence[int]) -> RolloutScores:
+        """Training rewards of responses (texts, gold answers, whether each ended by itself, its
+        length in tokens): the reward function's accuracy, 0 for cut responses under
+        `rollout.truncated: zero`, -1 on a failed format check under `reward.format_penalty`, plus
+        DAPO's overlong penalty when the method has it."""
+        g = self.reward_function().grade(texts, golds)
+        acc = torch.tensor(g.acc, dtype=torch.float32)
+        if self.recipe.rollout.truncated == "zero":
+            acc = acc * torch.tensor([float(f) for f in finished])
+        fmt = torch.tensor(g.format, dtype=torch.float32)
+        reward = torch.where(fmt > 0, acc, torch.full_like(acc, -1.0)) if self.recipe.reward.format_penalty else acc.clone()
+        o = self.cfg.overlong
+        if o.enable:
+            reward = reward + overlong_penalty(torch.tensor(list(lengths)), self.recipe.rollout.max_response_tokens,
+                                               o.buffer, o.factor)
+        return RolloutScores(reward, acc, fmt, torch.tensor(g.official_score, dtype=torch.float32), g.verdicts)
+
+    # ---- 2. dynamic sampling
+    def keep_groups(self, acc: Tensor, group: Tensor) -> tuple[Tensor, int]:
+        """(keep [B] bool, groups dropped): all kept without dynamic sampling."""
+        if not self.cfg.dynamic_sampling:
+            return torch.ones(acc.shape, dtype=torch.bool), 0
+        return dynamic_sampling_keep(acc, group)
+
+    # ---- 3. advantages
+    def advantages(self, rewards: Tensor, group: Tensor) -> Tensor:
+        """[B] advantage per response from [B] rewards and group ids."""
+        if self.spec.advantage == "w_reinforce":
+            return w_reinforce_advantage(rewards, self.cfg.w_reinforce_lambda)
+        return grpo_advantage(rewards, group, eps=self.cfg.adv_eps, norm_by_std=self.cfg.adv_estimator == "grpo")
+
+    # ---- 4. controller
+    def begin_step(self, entropy: float) -> tuple[Optional[StareState], dict[str, float]]:
+        """Update the STARE controller with the batch's token-mean entropy H (once per step);
+        returns the state for this step's loss calls (None for other methods) and its metrics."""
+        if self.controller is None:
+            return None, {}
+        c = self.controller
+        c.update(entropy)
+        return StareState(c.gate, c.W, c.M), {"stare/gate": float(c.gate), "stare/W": c.W, "stare/M": c.M}
+
+    # ---- 5. per-batch transform
+    def transform_batch(self, b: BatchInputs, stare: Optional[StareState] = None) -> BatchTransform:
+        """Token advantages [B, T] and the loss mask for this batch (module docstring, step 5)."""
+        mask = b.mask.float()
+        if self.recipe.rollout.truncated == "mask":
+            mask = mask * b.finished.to(mask.device, torch.float32)[:, None]
+        adv = self.advantages(b.rewards, b.group).to(mask.device, torch.float32)[:, None] * mask
+        metrics: dict[str, float] = {}
+        if self.spec.top_entropy:
+            adv = adv * top_entropy_mask(b.entropy, mask, self.cfg.top_entropy_frac)
+        if self.spec.stare and self.cfg.stare.scope == "batch":
+            if stare is None:
+                raise ValueError("batch-scope STARE needs this step's StareState (begin_step)")
+            adv, sel = self._stare(adv, b.old_log_prob.float(), mask, stare)
+            metrics.update({k: float(v) for k, v in sel.items()})
+        metrics.update({k: float(v) for k, v in quadrant_stats(adv, b.old_log_prob, b.entropy, mask).items()})
+        return BatchTransform(adv, mask, metrics)
+
+    def _stare(self, adv: Tensor, log_prob: Tensor, mask: Tensor, st: StareState) -> tuple[Tensor, dict[str, float]]:
+        """w * A for one selection scope, and the shares of valid tokens in L+ and L- (selected whatever
+        the gate, as the official code logs them)."""
+        s = self.cfg.stare
+        adv_eff, k_pos, k_neg, n = stare_scale(adv, log_prob, mask, P=s.P, W=st.W, M=st.M, variant=self.spec.stare,
+                                               gate=st.gate)
+        n = max(n, 1)
+        return adv_eff, {"stare/sel_pos": k_pos / n, "stare/sel_neg": k_neg / n}  # on the host already
+
+    # ---- 6. micro-batches
+    def micro_batches(self, lengths: Sequence[int]) -> list[list[int]]:
+        """Indices (into `lengths`) of each micro-batch of one mini-batch: as few as fit
+        `optim.micro_batch_tokens` (verl's dynamic batch size), or `optim.micro_batch_size` rows."""
+        tokens = self.recipe.optim.micro_batch_tokens
+        if tokens is not None:
+            return token_budget_micro_batches(list(lengths), tokens)
+        m = self.recipe.optim.micro_batch_size
+        return [list(range(i, min(i + m, len(lengths)))) for i in range(0, len(lengths), m)]
+
+    # ---- 7. loss
+    def loss(self, x: LossInputs) -> tuple[Tensor, dict[str, Union[Tensor, float]]]:
+        """The method's loss on one micro-batch (module docstring, step 7); stats are detached 0-dim
+        tensors, or Python floats for numbers the host already has (the STARE shares): read them with
+        `float()`."""
+        cfg, spec = self.cfg, self.spec
+        adv = x.advantages
+        extra: dict[str, float] = {}
+        if spec.entro_adv:
+            if x.entropy is None:
+                raise ValueError("entro-adv needs the current policy's token entropy")
+            adv = entro_adv(adv, x.entropy, cfg.entro_adv.alpha, cfg.entro_adv.kappa)
+        if spec.stare and cfg.stare.scope == "official":
+            if x.stare is None:
+                raise ValueError("official-scope STARE needs this step's StareState")
+            adv, extra = self._stare(adv, x.log_prob.detach().float(), x.mask, x.stare)
+        common = dict(log_prob=x.log_prob, old_log_prob=x.old_log_prob, adv=adv, mask=x.mask, agg=x.agg)
+        if spec.loss == "ppo_clip":
+            loss, stats = ppo_clip_loss(**common, clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip)
+        elif spec.loss == "gspo":
+            loss, stats = gspo_loss(**common, clip_low=cfg.gspo.clip_low, clip_high=cfg.gspo.clip_high)
+        elif spec.loss == "clip_cov":
+            c = cfg.clip_cov
+            loss, stats = clip_cov_loss(**common, clip_low=cfg.clip_low, clip_high=cfg.clip_high, ratio_frac=c.ratio,
+                                        cov_lb=c.cov_lb, cov_ub=c.cov_ub, generator=x.generator)
+        elif spec.loss == "kl_cov":
+            loss, stats = kl_cov_loss(**common, ratio_frac=cfg.kl_cov.ratio, coef=cfg.kl_cov.coef)
+        else:  # pragma: no cover - MethodSpec.loss is a closed Literal
+            raise ValueError(spec.loss)
+        if cfg.entropy_coef > 0:
+            if x.entropy is None:
+                raise ValueError("the entropy bonus needs the current policy's token entropy")
+            bonus = entropy_bonus(x.entropy, x.mask, cfg.entropy_coef, x.agg)
+            stats["entropy_bonus"] = bonus.detach()
+            loss = loss + bonus
+        stats.update(extra)
+        return loss, {k: v.detach() if isinstance(v, Tensor) else v for k, v in stats.items()}

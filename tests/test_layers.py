@@ -1,0 +1,50 @@
+"""The layers as a contract (issue 33): import-linter's contracts in pyproject.toml ([tool.importlinter])
+hold, and a deliberate upward import breaks them."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import REPO
+
+LINT = [sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"]
+
+
+def _lint(root: Path) -> subprocess.CompletedProcess:
+    # lint-imports reads pyproject.toml in the working directory and imports the root packages from it
+    return subprocess.run([*LINT, "--no-cache"], cwd=root, capture_output=True, text=True, timeout=300,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(root)})
+
+
+def test_the_layer_contracts_hold():
+    r = _lint(REPO)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert "Layers follow the data KEPT" in r.stdout and "No import cycles between the modules of a package KEPT" in r.stdout
+
+
+def _copy_sources(dst: Path, packages=("stare_cli", "benchmarks", "baselines", "recipes")) -> None:
+    """The Python files of `packages` (and pyproject.toml) under dst."""
+    for pkg in packages:
+        shutil.copytree(REPO / pkg, dst / pkg, ignore=lambda d, names: [n for n in names if not (
+            n.endswith(".py") or (Path(d) / n).is_dir()) or n == "__pycache__"])
+    shutil.copy(REPO / "pyproject.toml", dst / "pyproject.toml")
+
+
+def test_an_upward_import_or_a_cycle_breaks_the_contract(tmp_path):
+    _copy_sources(tmp_path)
+    grading = tmp_path / "benchmarks" / "grading" / "graders.py"
+    grading.write_text(grading.read_text() + "\n\ndef _upward():\n    from stare_cli.backends import embedded  # noqa\n")
+    r = _lint(tmp_path)
+    assert r.returncode == 1 and "Layers follow the data BROKEN" in r.stdout, r.stdout[-2000:]
+    assert "benchmarks.grading.graders -> stare_cli.backends.embedded" in r.stdout
+
+    shutil.rmtree(tmp_path / "benchmarks")
+    _copy_sources(tmp_path, ["benchmarks"])
+    attention = tmp_path / "benchmarks" / "generation" / "attention.py"
+    attention.write_text(attention.read_text() + "\n\ndef _cycle():\n    from benchmarks.generation import engines  # noqa\n")
+    r = _lint(tmp_path)
+    assert r.returncode == 1 and "No import cycles between the modules of a package BROKEN" in r.stdout, r.stdout[-2000:]
+
