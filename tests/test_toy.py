@@ -101,7 +101,7 @@ def _sweep_with_strategies(root: Path, shares: dict[tuple[str, int], tuple[int, 
         folder = run / "eval" / "step-000200" / "toy-explore-hard"
         (folder / "results").mkdir(parents=True)
         key = f"k{seed:04d}"
-        res = json.dumps({"key": key, "grader": "math-verify@3", "protocol": {"n": 4}})
+        res = json.dumps({"key": key, "grader": "math-verify@4", "protocol": {"n": 4}})
         (folder / "results" / f"{key}-math-verify.json").write_text(res)
         (folder / "results.json").write_text(res)  # the latest setting, as `stare eval` writes it
         rows = [{"key": key, "response": "12-4=8, 8+11=19", "correct": True}] * sub + \

@@ -9,19 +9,18 @@ import random
 from pathlib import Path
 
 from stare_cli.core.config import Recipe
-from stare_cli.core.errors import StareError
+from benchmarks.data.registry import GENERATED_PREFIXES, TRAIN_SETS
+from stare_cli.core.errors import StareError, did_you_mean
 
 
 def load_prompts(cfg: Recipe) -> list[dict]:
     """Training rows {'problem', 'answer'} from a toy task, a local file or a hub dataset."""
     src = cfg.data.train
-    if src.startswith("toy:"):
-        from benchmarks.data.toy import train_problems
-
-        try:
-            return train_problems(src.split(":", 1)[1], cfg.data.max_samples or 20000)
-        except StareError as e:
-            raise StareError(f"data.train: {e}") from None
+    if src.startswith(GENERATED_PREFIXES):
+        if src not in TRAIN_SETS:
+            raise StareError(f"data.train: no generated training set '{src}'{did_you_mean(src, TRAIN_SETS)}",
+                             hint="generated sets: " + ", ".join(TRAIN_SETS))
+        return TRAIN_SETS[src](cfg.data.max_samples or 20000, 1000)
     path = Path(src)
     try:
         import datasets

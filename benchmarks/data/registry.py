@@ -46,6 +46,7 @@ class BenchmarkSpec:
     max_tokens: int = 3072
     metrics: tuple[str, ...] = ("avg@n", "pass@k", "maj@k")
     version: int = 1
+    template: str = "paper"  # the prompt template of its protocol (benchmarks/generation/templates.py)
     # Generated locally (no file, no hub): (number of problems) -> rows {'problem', 'answer'}.
     generate: Optional[Callable[[int], list[dict]]] = field(default=None, compare=False)
 
@@ -61,6 +62,18 @@ BENCHMARKS: dict[str, BenchmarkSpec] = {
         BenchmarkSpec("olympiadbench", "OlympiadBench", "math-ai/olympiadbench", "test", n=4, size=674),
     ]
 }
+
+
+# Generated training sets (`data.train: toy:arith`, `words:add-sub`): name -> (rows, seed) -> [{'problem', 'answer'}]
+TRAIN_SETS: dict[str, Callable[[int, int], list[dict]]] = {}
+GENERATED_PREFIXES = ("toy:", "words:")  # a data.train with one of these must name a registered set
+
+
+def register_train_set(name: str, generate: Callable[[int, int], list[dict]]) -> None:
+    """Add a generated training set (the toy's tasks, the word problems)."""
+    if not name.startswith(GENERATED_PREFIXES):
+        raise ValueError(f"generated training sets are named {' or '.join(GENERATED_PREFIXES)}<name>, not {name}")
+    TRAIN_SETS[name] = generate
 
 
 def register(spec: BenchmarkSpec) -> None:

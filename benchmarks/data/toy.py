@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Optional
 
 from benchmarks.data.cache import build_once, cache_root
-from benchmarks.data.registry import BenchmarkSpec, register
+from benchmarks.data.registry import BenchmarkSpec, register, register_train_set
 from stare_cli.core.runs import atomic_write_text
 
 TOY_VERSION = 1
@@ -197,12 +197,6 @@ def eval_problems(bench: str, n: int, seed: int = 999_999) -> list[dict]:
     return [{"problem": r["problem"], "answer": r["answer"]} for r in EVAL_SETS[bench](n, seed)]
 
 
-# The toy's held-out sets as benchmarks (`stare eval --bench toy:arith`, `eval.benchmarks` in recipes).
-for _name, _title, _size, _tokens in [("toy:arith", "Toy arith", 256, 56), ("toy:tool", "Toy tool", 128, 64),
-                                      ("toy:explore", "Toy explore (easy)", 256, 56),
-                                      ("toy:explore-hard", "Toy explore (hard)", 128, 56)]:
-    register(BenchmarkSpec(_name, _title, "", "", n=1, size=_size, temperature=1.0, top_p=1.0, max_tokens=_tokens,
-                           generate=functools.partial(eval_problems, _name)))
 
 
 def build_tokenizer(task: str = "arith"):
@@ -412,3 +406,13 @@ def ship(task: str, source: Path) -> tuple[Path, str]:
         shutil.rmtree(dest)
     shutil.copytree(source, dest)
     return dest, _sha256(dest / "model.safetensors")
+
+
+# The toy's held-out sets as benchmarks (`stare eval --bench toy:arith`, `eval.benchmarks` in recipes).
+for _name, _title, _size, _tokens in [("toy:arith", "Toy arith", 256, 56), ("toy:tool", "Toy tool", 128, 64),
+                                      ("toy:explore", "Toy explore (easy)", 256, 56),
+                                      ("toy:explore-hard", "Toy explore (hard)", 128, 56)]:
+    register(BenchmarkSpec(_name, _title, "", "", n=1, size=_size, temperature=1.0, top_p=1.0, max_tokens=_tokens,
+                           template="raw", generate=functools.partial(eval_problems, _name)))
+for _task in TASKS:  # their training prompts (`data.train: toy:<task>`)
+    register_train_set(f"toy:{_task}", functools.partial(train_problems, _task))

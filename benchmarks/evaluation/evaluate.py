@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -57,25 +58,76 @@ class EvalSettings:
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-class ProgressLine:
-    """Progress as plain lines (done/total, rate, ETA) where there is no terminal: log files too."""
+def _clock(seconds: float) -> str:
+    return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
 
-    def __init__(self, name: str, total: int, done: int = 0, every_s: float = 10.0, stream=None):
+
+class ProgressLine:
+    """Progress of one benchmark: problems done, generated tokens per second (the engines' METER,
+    read while a chunk generates) and an ETA. A line at the start, then one every `every_s` seconds
+    from a timer thread (so a slow model shows progress long before its first chunk ends), and at
+    the end. Without `show` the lines go to `stream` (stderr: log files and pipes too); with it, each
+    line replaces a terminal progress bar's description instead.
+
+    ETA: from the problems' rate once a chunk is done; before that an upper bound ("<=") from the
+    token rate, as if every sample ran to max_tokens."""
+
+    def __init__(self, name: str, total: int, done: int = 0, every_s: float = 15.0, stream=None,
+                 samples_per_problem: int = 1, max_tokens: int = 0, show=None):
+        from benchmarks.generation.engines import METER
+
         self.name, self.total, self.done, self.every_s = name, total, done, every_s
         self.stream = stream or sys.stderr
-        self.t0 = self.last = time.time()
+        self.show = show
+        self.meter, self.tokens0 = METER, METER.total
+        self.per_problem_tokens = samples_per_problem * max_tokens
+        self.t0 = time.time()
         self.start_done = done
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def text(self) -> str:
+        elapsed = max(time.time() - self.t0, 1e-9)
+        tokens = self.meter.total - self.tokens0
+        tps = tokens / elapsed
+        solved = self.done - self.start_done
+        if solved > 0:
+            eta = _clock((self.total - self.done) * elapsed / solved)
+        elif tps > 0 and self.per_problem_tokens:
+            eta = "<=" + _clock(max(0.0, (self.total - self.done) * self.per_problem_tokens - tokens) / tps)
+        else:
+            eta = "?"
+        return (f"{self.name}: {self.done}/{self.total} problems in {_clock(elapsed)}, {tokens} tokens at "
+                f"{tps:.1f} tok/s, ETA {eta}")
+
+    def emit(self) -> None:
+        with self._lock:
+            if self.show is not None:
+                self.show(self.text())
+            else:
+                print(self.text(), file=self.stream, flush=True)
+
+    def start(self) -> "ProgressLine":
+        if self.show is None:
+            print(f"{self.name}: {self.total} problems ({self.done} already on disk)", file=self.stream, flush=True)
+
+        def tick() -> None:
+            while not self._stop.wait(self.every_s):
+                self.emit()
+
+        self._thread = threading.Thread(target=tick, name=f"progress-{self.name}", daemon=True)
+        self._thread.start()
+        return self
 
     def advance(self, k: int) -> None:
         self.done += k
-        now = time.time()
-        if now - self.last >= self.every_s or self.done >= self.total:
-            self.last = now
-            rate = (self.done - self.start_done) / max(now - self.t0, 1e-9)
-            eta = (self.total - self.done) / rate if rate > 0 else float("inf")
-            eta_txt = f"{int(eta // 60)}m{int(eta % 60):02d}s" if eta != float("inf") else "?"
-            print(f"{self.name}: {self.done}/{self.total} problems, {rate:.2f}/s, ETA {eta_txt}", file=self.stream,
-                  flush=True)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.emit()
 
 
 def _verdict_fields(v, finished: bool) -> dict:
@@ -161,12 +213,31 @@ def evaluate_benchmark(engine, tokenizer, s: EvalSettings, out_dir: Path, grader
     complete = {ci for ci, ch in enumerate(chunks) if all((r["idx"], j) in done for r in ch for j in range(s.n))}
     kept = [done[(r["idx"], j)] for ci in sorted(complete) for r in chunks[ci] for j in range(s.n)]
     atomic_write_text(samples_path, "".join(json.dumps(r) + "\n" for r in [*others, *kept]))
-    task = progress.add_task(f"{s.bench}", total=len(rows)) if progress else None
-    line = None if progress is not None and progress.console.is_terminal else \
-        ProgressLine(s.bench, len(rows), sum(len(chunks[ci]) for ci in complete))
-    if progress:
-        progress.update(task, completed=sum(len(chunks[ci]) for ci in complete))
+    already = sum(len(chunks[ci]) for ci in complete)
+    task = progress.add_task(f"{s.bench}", total=len(rows), completed=already) if progress else None
+    show = None
+    if progress is not None and progress.console.is_terminal:
+        show = lambda text: progress.update(task, description=text.split(": ", 1)[1])  # noqa: E731
+    line = ProgressLine(s.bench, len(rows), already, samples_per_problem=s.n, max_tokens=s.max_tokens,
+                        show=show).start()
     t0 = time.time()
+    try:
+        _generate_chunks(engine, tokenizer, s, chunks, complete, key, samples_path, grader, use_chat_template, tools,
+                         lambda k: (line.advance(k), progress.update(task, advance=k) if progress else None))
+    finally:
+        line.close()
+    all_rows = read_jsonl(samples_path)
+    mine = [r for r in all_rows if r.get("key") == key]
+    if any(grader.tag not in r.get("verdicts", {}) for r in mine):  # saved samples of another grader
+        _grade_rows(mine, grader)
+        atomic_write_text(samples_path, "".join(json.dumps(r) + "\n" for r in all_rows))
+    return write_results(out_dir, s, mine, grader, words, str(data_file) if data_file else "hub or STARE_DATA_DIR",
+                         time.time() - t0)
+
+
+def _generate_chunks(engine, tokenizer, s: EvalSettings, chunks: list[list[dict]], complete: set[int], key: str,
+                     samples_path: Path, grader: Grader, use_chat_template: bool, tools, advance) -> None:
+    """Generate and grade every chunk not fully on disk, appending its rows (one write per chunk)."""
     for ci, chunk in enumerate(chunks):
         if ci in complete:
             continue
@@ -182,17 +253,7 @@ def evaluate_benchmark(engine, tokenizer, s: EvalSettings, out_dir: Path, grader
         with open(samples_path, "a") as f:  # one write per chunk; a torn chunk is redone on resume
             f.write("".join(json.dumps(r) + "\n" for r in new))
             f.flush()
-        if progress:
-            progress.update(task, advance=len(chunk))
-        if line is not None:
-            line.advance(len(chunk))
-    all_rows = read_jsonl(samples_path)
-    mine = [r for r in all_rows if r.get("key") == key]
-    if any(grader.tag not in r.get("verdicts", {}) for r in mine):  # saved samples of another grader
-        _grade_rows(mine, grader)
-        atomic_write_text(samples_path, "".join(json.dumps(r) + "\n" for r in all_rows))
-    return write_results(out_dir, s, mine, grader, words, str(data_file) if data_file else "hub or STARE_DATA_DIR",
-                         time.time() - t0)
+        advance(len(chunk))
 
 
 def regrade(folder: Path, grader_name: str = "math-verify", workers: Optional[int] = None) -> dict[str, dict]:
@@ -239,11 +300,12 @@ def _settings_by_key(bench_dir: Path) -> dict[str, EvalSettings]:
 
 
 def resolve_model(model: str) -> tuple[str, Optional[Path]]:
-    """(path or hub id, run directory when the model is a training checkpoint)."""
-    if model.startswith("toy:"):
-        from benchmarks.data.toy import ensure_toy_model
+    """(path or hub id, run directory when the model is a training checkpoint). Toy and short model
+    names (benchmarks/data/models.py) become their folders."""
+    from benchmarks.data.models import MODELS, resolve_model_path
 
-        return str(ensure_toy_model(model.split(":", 1)[1])), None
+    if model.startswith("toy:") or model in MODELS:
+        return resolve_model_path(model), None
     p = Path(model)
     if (p / "checkpoints" / "latest").exists():
         p = p / "checkpoints" / "latest"
@@ -270,7 +332,7 @@ def check_inputs(benches: list[str], limit: Optional[int], data_file: Optional[s
 
 
 def run_eval(model: str, benches: list[str], engine_name: str = "auto", n: Optional[int] = None,
-             limit: Optional[int] = None, out: Optional[Path] = None, template: str = "paper",
+             limit: Optional[int] = None, out: Optional[Path] = None, template: Optional[str] = None,
              temperature: Optional[float] = None, top_p: Optional[float] = None, max_tokens: Optional[int] = None,
              seed: int = 0, data_file: Optional[str] = None, base_url: Optional[str] = None, workers: Optional[int] = None,
              device: str = "auto", batch_size: int = 64, dtype: str = "auto", tools: Optional[str] = None,
@@ -305,6 +367,7 @@ def run_eval(model: str, benches: list[str], engine_name: str = "auto", n: Optio
     data = check_inputs(benches, limit, data_file, out)  # before the model loads
     if engine_name == "auto":
         engine_name = _auto_engine()
+    print(f"stare eval: loading {path} ({engine_name} engine)", file=sys.stderr, flush=True)
     engine, tok = _make_engine(engine_name, path, base_url, device, batch_size, dtype, vllm_kwargs or {})
     results = {}
     grading = Grader(workers=workers, name=grader)
@@ -314,7 +377,7 @@ def run_eval(model: str, benches: list[str], engine_name: str = "auto", n: Optio
                       console=console, disable=not console.is_terminal) as prog:
             for b in benches:
                 spec = BENCHMARKS[b]
-                s = EvalSettings(model=path, bench=b, template=template, n=n or spec.n,
+                s = EvalSettings(model=path, bench=b, template=template or spec.template, n=n or spec.n,
                                  temperature=spec.temperature if temperature is None else temperature,
                                  top_p=spec.top_p if top_p is None else top_p, max_tokens=max_tokens or spec.max_tokens,
                                  seed=seed, engine=engine_name, limit=limit, tools=tools)

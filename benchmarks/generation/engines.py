@@ -38,6 +38,21 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
+class TokenMeter:
+    """Tokens generated in this process so far, by every engine: progress displays read it while a
+    long generation call runs (the HF decode loop adds each step's tokens as it goes; vLLM and the
+    OpenAI engine add a call's tokens when it returns)."""
+
+    def __init__(self) -> None:
+        self.total = 0
+
+    def add(self, n: int) -> None:
+        self.total += n
+
+
+METER = TokenMeter()
+
+
 @dataclass
 class Sample:
     text: str
@@ -138,6 +153,7 @@ def sample_decode(model, input_ids, attention_mask, sp: SamplingParams, eos_ids:
             nxt = torch.multinomial(probs, 1).squeeze(-1)
         for r, t in zip(active.tolist(), nxt.tolist()):
             rows[r].append(t)
+        METER.add(int(active.numel()))
         if logprobs is not None:
             for r, v in zip(active.tolist(), probs.gather(1, nxt[:, None]).squeeze(1).log().tolist()):
                 lps[r].append(v)
@@ -185,6 +201,7 @@ def tool_rollouts(tok, prompt_ids: Sequence[list[int]], sp: SamplingParams, spec
             text=tok.decode(tr.response_ids, skip_special_tokens=True), response_ids=tr.response_ids,
             prompt_ids=list(ids), finished=tr.finished, loss_mask=tr.loss_mask, tool_calls=tr.calls,
             tool_errors=tr.errors, turns=tr.turns))
+        METER.add(len(tr.response_ids))
     return out
 
 
@@ -244,6 +261,7 @@ class HFEngine:
                 if rows is None:  # a cache layout the pruning loop does not know: transformers' own loop
                     gen = self.model.generate(input_ids=input_ids, attention_mask=attn, generation_config=gen_cfg)
                     rows, lps = gen[:, L:].tolist(), []
+                    METER.add(sum(len(r) for r in rows))
                 for k, ((i, ids), row) in enumerate(zip(chunk, rows)):
                     stop = next((j for j, t in enumerate(row) if t in eos_ids), None)
                     finished = stop is not None
@@ -418,6 +436,7 @@ class VLLMEngine:
                 resp, lps, finished = self._response(o, eos)
                 group.append(Sample(text=self.tok.decode(resp, skip_special_tokens=True), response_ids=resp,
                                     prompt_ids=list(x), finished=finished, logprobs=lps))
+                METER.add(len(resp))
             out.append(group)
         return out
 
@@ -484,5 +503,6 @@ class OpenAIEngine:
                                                   **({"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})})
             with urllib.request.urlopen(req, timeout=self.timeout) as r:
                 data = json.loads(r.read())
+            METER.add(int((data.get("usage") or {}).get("completion_tokens") or 0))
             out.append([Sample(text=c["text"], finished=c.get("finish_reason") == "stop") for c in data["choices"]])
         return out

@@ -17,9 +17,15 @@ Our grader (`math-verify`):
   answer is X", "Final Answer: X") comes after it; without a box, that stated answer; else the last
   inline math of the final paragraph (`$...$`, `\\(...\\)`, `\\[...\\]`); else the last number. A final
   box that never closes is no answer (the response was cut), never a fallback. A stated answer ends
-  at the end of its line or at a full stop followed by a space (decimal points stay). Each verdict
-  records how the answer was found. `boxed_only` (training rewards): the box candidates only.
-- Verification: separators inside numbers are removed (`3\\,159`, `1{,}000`, `1,000`); two plain
+  at the end of its line or at a full stop followed by a space (decimal points stay); when nothing
+  follows the phrase on its line, it is the next non-empty line (often display math); a sentence
+  ("The largest $n$ is 34") is reduced to what it states, and a statement with nothing answer-like
+  ("I hope this answer is helpful!") is none. A boxed AMC choice with its value
+  (`\\textbf{(C)}\\ 12`) also offers the value. An escaped dollar (`\\$5`) is currency, not math.
+  Each verdict records how the answer was found. `boxed_only` (training rewards): the box candidates only.
+- Verification: thousands separators inside numbers are removed (`3\\,159`, `1{,}000`, `1,000`; not
+  `0,111`); other commas make a list (`1,3`), which math-verify compares as a set (so `13` is not
+  `1,3`, and `3, 1` is), except a decimal comma beside a decimal point (`1000,99` = `1000.99`); two plain
   numbers are compared with a relative tolerance of 1e-6 and nothing else (math-verify rounds to 6
   decimal places, which makes 0.0000005 equal 0.000000389); otherwise math-verify on
   `\\boxed{answer}` vs `\\boxed{gold}`, then the same with a trailing percent sign dropped on both
@@ -59,9 +65,14 @@ class Verdict:
 
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _PHRASE = re.compile(r"(?:final answer|the answer|answer)\s*(?:is|:)", re.IGNORECASE)
-_INLINE = re.compile(r"\$\$(.+?)\$\$|\$(.+?)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]", re.DOTALL)
+# Inline or display math; an escaped dollar (`\\$`, currency) is text, never a delimiter.
+_INLINE = re.compile(r"(?<!\\)\$\$(.+?)(?<!\\)\$\$|(?<!\\)\$(.+?)(?<!\\)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]", re.DOTALL)
 _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?")
 _INT = re.compile(r"^[-+]?\d+$")
+_CHOICE = re.compile(r"^(?:\\textbf\{\s*\(?[A-E]\)?\s*\}|\\text\{\s*\(?[A-E]\)?\s*\}|\([A-E]\))\s*(?:\\[ ,;:!]|~|\\quad)?\s*(\S.*)$")
+# Thousands separators: 1,000 or 12,345.5 (the first group does not start with 0: 0,111 is a decimal comma)
+_THOUSANDS = re.compile(r"^[-+]?[1-9]\d{0,2}(?:,\d{3})+(?:\.\d+)?$")
+_DECIMAL_COMMA = re.compile(r"^[-+]?\d+,\d+$")
 _PLAIN_NUMBER = re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?$")
 _SCI = re.compile(r"(?<![\w.])(-?\d+(?:\.\d+)?)[eE]([-+]?\d+)(?![\w.])")
 _TIMES10 = re.compile(r"^([-+]?\d+(?:\.\d+)?)\s*\\(?:times|cdot)\s*10\^\{?([-+]?\d+)\}?$")
@@ -105,22 +116,53 @@ def last_boxed(text: str) -> Optional[str]:
     return found[-1].content if found else None
 
 
+def _answer_like(s: str) -> bool:
+    """Whether a stated answer looks like one: a digit, math (`$`, `\\`, an operator or bracket), or
+    a short token (a choice letter, a variable). "helpful!" in "I hope this answer is helpful!" does not."""
+    return bool(re.search(r"[\d$\\^_=+\-*/()\[\]{}<>]", s)) or len(s) <= 3
+
+
+def _reduce_sentence(s: str) -> str:
+    """A stated answer written as a sentence ("The largest $n$ is 34") reduced to what it states:
+    the part after its last " is " / " = " / " equals ", then its last inline math or last number."""
+    if len(s.split()) < 3:
+        return s
+    tail = re.split(r"\s(?:is|=|equals|are)\s", s)[-1].strip()
+    maths = [next(g for g in m.groups() if g is not None) for m in _INLINE.finditer(tail)]
+    if maths:
+        return maths[-1].strip()
+    if len(tail.split()) < 3:
+        return tail
+    nums = _NUMBER.findall(tail)
+    return nums[-1] if nums else s
+
+
 def _stated_answer(text: str) -> tuple[Optional[str], int]:
     """The answer after the last "answer is" / "answer:" and where that phrase starts (-1: none): the
-    rest of its line, up to a full stop followed by a space or the end (so 7.78 stays whole)."""
+    rest of its line, up to a full stop followed by a space or the end (so 7.78 stays whole); when
+    the line holds nothing after the phrase ("The final answer is:" and the answer on a later line,
+    often display math), the next non-empty line. A sentence is reduced to what it states; a
+    statement with no answer-like content ("this answer is helpful!") is no answer."""
     last = None
     for last in _PHRASE.finditer(text):
         pass
     if last is None:
         return None, -1
-    line = text[last.end():].split("\n", 1)[0]
-    line = re.split(r"\.(?:\s|$)", line, maxsplit=1)[0]
-    line = line.strip().strip("*").strip()
+    rest = text[last.end():]
+    lines = rest.split("\n")
+    line = lines[0]
+    if not line.strip(" :*.\t"):
+        line = next((ln for ln in lines[1:] if ln.strip()), "")
+    line = re.split(r"\.(?:\s|$)", line, maxsplit=1)[0] if not line.lstrip().startswith(("\\[", "$$")) else line
+    line = line.strip().strip("*").strip().lstrip(":").strip()
     m = _INLINE.fullmatch(line)
     if m:
         line = next(g for g in m.groups() if g is not None)
     line = line.strip().strip("$").strip().rstrip(".").strip()
-    return (line or None), last.start()
+    line = _reduce_sentence(line)
+    if not line or not _answer_like(line):
+        return None, -1
+    return line, last.start()
 
 
 def extract_candidates(response: str, boxed_only: bool = False) -> tuple[list[str], str]:
@@ -133,6 +175,9 @@ def extract_candidates(response: str, boxed_only: bool = False) -> tuple[list[st
     stated, at = (None, -1) if boxed_only else _stated_answer(text)
     if found and not (stated is not None and offset + at > found[-1].end):
         cands = [found[-1].content]
+        choice = _CHOICE.match(found[-1].content)
+        if choice:  # \\textbf{(C)}\\ 12: the choice letter with its value; the value is graded too
+            cands.append(choice.group(1).strip())
         para_start = response.rfind("\n\n", 0, found[-1].start) + 1
         together = [b.content for b in found if b.start >= para_start]
         if len(together) >= 2:
@@ -170,7 +215,7 @@ def _normalise(s: str) -> str:
 def _number(s: str) -> Optional[float]:
     """A plain number (digits, a decimal point, an exponent; 1,000 and 4.5\\times10^{3} too), else None."""
     t = s.replace(" ", "")
-    if re.fullmatch(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?", t):
+    if _THOUSANDS.match(t):
         t = t.replace(",", "")
     m = _TIMES10.match(t)
     if m:
@@ -184,9 +229,16 @@ def _cheap(answer: str, gold: str) -> Optional[str]:
     a, g = _normalise(answer), _normalise(gold)
     if a == g:
         return "exact"
-    a2, g2 = a.replace(",", "").replace(" ", ""), g.replace(",", "").replace(" ", "")
+    a2, g2 = a.replace(" ", ""), g.replace(" ", "")
+    a2 = a2.replace(",", "") if _THOUSANDS.match(a2) else a2
+    g2 = g2.replace(",", "") if _THOUSANDS.match(g2) else g2
     if _INT.match(a2) and _INT.match(g2):
         return "integer" if int(a2) == int(g2) else "mismatch"
+    # A decimal comma (1000,99) beside a decimal point (1000.99): the same number. Only then: "1,3"
+    # beside "13" or "3, 1" is a list, which math-verify compares as a set.
+    for x_, y_ in ((a2, g2), (g2, a2)):
+        if _DECIMAL_COMMA.match(x_) and not _THOUSANDS.match(x_) and "." in y_ and _number(y_) is not None:
+            return "numeric" if math.isclose(float(x_.replace(",", ".")), _number(y_), rel_tol=1e-6) else "mismatch"
     x, y = _number(a), _number(g)
     if x is not None and y is not None:  # relative tolerance, not math-verify's 6 decimal places
         return "numeric" if math.isclose(x, y, rel_tol=1e-6, abs_tol=0.0) else "mismatch"
@@ -330,7 +382,7 @@ class GraderSpec:
 
 
 GRADERS: dict[str, GraderSpec] = {g.name: g for g in [
-    GraderSpec("math-verify", 3, "ours: final box (or a later stated answer, or inline math, or the last number), "
+    GraderSpec("math-verify", 4, "ours: final box (or a later stated answer, or inline math, or the last number), "
                "normalised, then math-verify", key=_candidates_key, judge=grade, quick=_quick),
     GraderSpec("math-verify-plain", 1, "math-verify's defaults on the whole response",
                key=lambda r, b: (r[-MAX_RESPONSE_CHARS:], "whole-response"), judge=_plain_math_verify),

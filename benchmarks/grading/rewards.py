@@ -2,6 +2,9 @@
 
 - `math-verify`: our grader on the final \\boxed{} only (no fallbacks: a reward must not be earned by
   a stray number); 1/0.
+- `math-verify-final`: our grader on the final answer however it is written (the final box, else a
+  stated answer, the last inline math or the last number: `stare eval`'s extraction); for small
+  models that answer without a box (the SmolLM2 recipe). A stray last number can earn it.
 - `stare-official`: the official STARE accuracy as its reward loop ran it (`stare-official` grader).
 - `stare-official-3way`: the official accuracy as written (`stare-official-3way` grader).
 
@@ -30,6 +33,8 @@ class RewardFnSpec:
 
 REWARD_FNS: dict[str, RewardFnSpec] = {r.name: r for r in [
     RewardFnSpec("math-verify", "math-verify", True, "our grader on the final \\boxed{} (1/0)"),
+    RewardFnSpec("math-verify-final", "math-verify", False,
+                 "our grader on the final answer however written: box, stated answer, inline math, last number (1/0)"),
     RewardFnSpec("stare-official", "stare-official", False,
                  "the official STARE accuracy as its reward loop ran it (mathruler on the official extraction)"),
     RewardFnSpec("stare-official-3way", "stare-official-3way", False,

@@ -181,7 +181,7 @@ TABLE: list[Row] = [
     Row(("model.trust_remote_code",), "verl", "", lambda c: {"actor_rollout_ref.model.trust_remote_code": c.model.trust_remote_code,
                                                            "data.trust_remote_code": c.model.trust_remote_code}),
     Row(("data.template", "model.chat_template"), "verl",
-        "paper: the model's chat template over the user turn; raw/plain (or chat_template none): the prompt text and a "
+        "paper/short: the model's chat template over the user turn; raw/plain (or chat_template none): the prompt text and a "
         "newline through a custom chat template", _templates,
         lambda c: ("data.template", "verl's rollout cannot open the assistant turn with <think> (the r1 template); "
                    "use the embedded backend") if c.data.template.value == "r1" else None),
@@ -470,13 +470,13 @@ def prepare_data(cfg: Recipe, out_dir: Path, limit: Optional[int] = None) -> lis
     import pandas as pd
 
     from benchmarks.data.registry import load_benchmark
-    from benchmarks.generation.templates import with_instruction
+    from benchmarks.generation.templates import user_text
     from benchmarks.data.prompts import load_prompts
 
     def frame(rows: list[dict], source: str, split: str) -> "pd.DataFrame":
         recs = []
         for i, r in enumerate(rows[:limit] if limit else rows):
-            content = r["problem"] if cfg.data.template.value == "raw" else with_instruction(r["problem"])
+            content = user_text(r["problem"], cfg.data.template.value)
             recs.append({
                 "data_source": source, "prompt": [{"role": "user", "content": content}], "ability": "math",
                 "reward_model": {"style": "rule", "ground_truth": str(r["answer"])},

@@ -29,6 +29,7 @@ class PromptTemplate(str, Enum):
     plain = "plain"  # plain completion, for base models without a chat template
     r1 = "r1"  # DeepSeek-R1 style: think in <think> ... </think>, then answer
     raw = "raw"  # the problem text and a newline, nothing added (the CPU toy)
+    short = "short"  # problem + "Answer with a single number." as one user turn (small real models)
 
 
 class ModelConfig(_Strict):
@@ -230,8 +231,10 @@ class MethodConfig(_Strict):
 
 
 class RewardConfig(_Strict):
-    fn: Literal["math-verify", "stare-official", "stare-official-3way"] = Field(
+    fn: Literal["math-verify", "math-verify-final", "stare-official", "stare-official-3way"] = Field(
         "math-verify", description="Training reward: 'math-verify' (our grader on the final \\boxed{}, 1/0); "
+        "'math-verify-final' (our grader on the final answer however written: the final box, else a stated answer, "
+        "inline math or the last number; for small models that do not box); "
         "'stare-official' (the official STARE accuracy as its reward loop ran it: mathruler on the official answer "
         "extraction); 'stare-official-3way' (the official accuracy as written: math-verify twice or mathruler). "
         "Dynamic sampling filters on this accuracy.")
