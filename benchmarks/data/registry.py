@@ -142,6 +142,24 @@ def read_jsonl_rows(path: Path) -> list[dict]:
     return rows
 
 
+def _local_file(name: str, data_file: Optional[str]) -> Optional[Path]:
+    """The local file a benchmark is read from (--data-file, else $STARE_DATA_DIR/<name>.jsonl), or None."""
+    if data_file:
+        return Path(data_file)
+    if os.environ.get("STARE_DATA_DIR"):
+        return Path(os.environ["STARE_DATA_DIR"]) / f"{name}.jsonl"
+    return None
+
+
+def benchmark_source(name: str, data_file: Optional[str] = None) -> str:
+    """Where `load_benchmark` reads `name` from: 'file:<absolute path>', 'hub:<id>:<split>' or 'generated'."""
+    spec = check_benchmark(name)
+    if spec.generate is not None:
+        return "generated"
+    path = _local_file(name, data_file)
+    return f"file:{path.resolve()}" if path is not None else f"hub:{spec.hub_id}:{spec.split}"
+
+
 def load_benchmark(name: str, limit: Optional[int] = None, data_file: Optional[str] = None) -> list[dict]:
     """Rows {'problem', 'answer', 'idx'}: from data_file, $STARE_DATA_DIR/<name>.jsonl, or the hub.
 

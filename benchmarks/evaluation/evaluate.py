@@ -21,7 +21,7 @@ import json
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -49,11 +49,13 @@ class EvalSettings:
     engine: str
     limit: Optional[int] = None
     tools: Optional[str] = None  # the tool the model may call ("python"), or None
+    data: Optional[str] = None  # SHA-256 of the problems and golds evaluated (`data_digest`)
 
     def key(self) -> str:
-        """A hash of every generation setting: samples of different settings never mix. (`tools` enters
-        only when set, so the keys of tool-less evaluations are those written before it existed.)"""
-        fields = {k: v for k, v in asdict(self).items() if not (k == "tools" and v is None)}
+        """A hash of every generation setting and of the data: samples of different settings or data
+        never mix (another file, or a corrected gold, gets samples of its own). (`tools` and `data`
+        enter only when set.)"""
+        fields = {k: v for k, v in asdict(self).items() if not (k in ("tools", "data") and v is None)}
         blob = json.dumps(fields, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -130,6 +132,12 @@ class ProgressLine:
         self.emit()
 
 
+def data_digest(rows: list[dict]) -> str:
+    """SHA-256 of a benchmark's problems as evaluated: index, problem text and gold, in order."""
+    blob = json.dumps([[r["idx"], r["problem"], str(r["answer"])] for r in rows], ensure_ascii=False)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
 def _verdict_fields(v, finished: bool) -> dict:
     return {"extracted": v.extracted, "method": v.method, "correct": bool(v.correct and finished),
             "reason": v.reason if finished else "truncated", "grader": v.grader}
@@ -159,17 +167,20 @@ def _same_answer():
     return same
 
 
-def write_results(out_dir: Path, s: EvalSettings, rows: list[dict], grader: Grader, words, data: str,
+def write_results(out_dir: Path, s: EvalSettings, rows: list[dict], grader: Grader, words, data: dict,
                   elapsed: float = 0.0) -> dict:
-    """Metrics of one setting's rows under one grader: results/<key>-<grader>.json and results.json."""
+    """Metrics of one setting's rows under one grader (from each row's verdict of this grader, never
+    from the top-level fields, which hold the latest grader's): results/<key>-<grader>.json and
+    results.json. `data`: where the problems came from (`data_record`)."""
     by_problem: dict[int, list[dict]] = {}
     for r in rows:
         by_problem.setdefault(r["idx"], []).append(r)
     per_problem = []
     for idx in sorted(by_problem):
         ss = sorted(by_problem[idx], key=lambda r: r["sample"])[: s.n]
+        vs = [r["verdicts"][grader.tag] for r in ss]
         per_problem.append({
-            "correct": [r["correct"] for r in ss], "answers": [r["extracted"] for r in ss],
+            "correct": [v["correct"] for v in vs], "answers": [v["extracted"] for v in vs],
             "lengths": [r["length"] for r in ss], "finished": [r["finished"] for r in ss],
             "reflection": sum(reflection_rate([r["response"]], words) for r in ss) / len(ss),
             "tool_calls": [r.get("tool_calls", 0) for r in ss],
@@ -180,7 +191,7 @@ def write_results(out_dir: Path, s: EvalSettings, rows: list[dict], grader: Grad
         "grader": grader.tag,
         "protocol": {"n": s.n, "temperature": s.temperature, "top_p": s.top_p, "template": s.template,
                      "max_tokens": s.max_tokens, "paper_protocol": s.n == spec.n and s.temperature == spec.temperature
-                     and s.top_p == spec.top_p and s.limit is None},
+                     and s.top_p == spec.top_p and s.limit is None and not data.get("partial")},
         "data": data, "metrics": benchmark_metrics(per_problem, same=_same_answer()), "elapsed_s": elapsed,
         "environment": environment_summary(),
     }
@@ -198,12 +209,15 @@ def evaluate_benchmark(engine, tokenizer, s: EvalSettings, out_dir: Path, grader
     words = reflection_words or REFLECTION_WORDS
     if rows is None:
         rows = load_benchmark(s.bench, limit=s.limit, data_file=data_file)
+    if s.data is None:
+        s = replace(s, data=data_digest(rows))
+    data = data_record(s.bench, rows, s.data, data_file)
     out_dir.mkdir(parents=True, exist_ok=True)
     samples_path = out_dir / "samples.jsonl"
     key = s.key()
     done: dict[tuple[int, int], dict] = {}
     others = []  # rows of other settings: kept as they are
-    for r in read_jsonl(samples_path):
+    for r in read_jsonl(samples_path, strict=True):  # a torn last line (a crash) is redone; others refused
         if r.get("key") == key:
             done[(r["idx"], r["sample"])] = r
         else:
@@ -226,13 +240,13 @@ def evaluate_benchmark(engine, tokenizer, s: EvalSettings, out_dir: Path, grader
                          lambda k: (line.advance(k), progress.update(task, advance=k) if progress else None))
     finally:
         line.close()
-    all_rows = read_jsonl(samples_path)
+    all_rows = read_jsonl(samples_path, strict=True)
     mine = [r for r in all_rows if r.get("key") == key]
-    if any(grader.tag not in r.get("verdicts", {}) for r in mine):  # saved samples of another grader
-        _grade_rows(mine, grader)
+    before = [(r.get("grader"), r.get("correct")) for r in mine]
+    _grade_rows(mine, grader)  # saved samples of another grader: graded; every row's top level: this grader's
+    if [(r.get("grader"), r.get("correct")) for r in mine] != before:
         atomic_write_text(samples_path, "".join(json.dumps(r) + "\n" for r in all_rows))
-    return write_results(out_dir, s, mine, grader, words, str(data_file) if data_file else "hub or STARE_DATA_DIR",
-                         time.time() - t0)
+    return write_results(out_dir, s, mine, grader, words, data, time.time() - t0)
 
 
 def _generate_chunks(engine, tokenizer, s: EvalSettings, chunks: list[list[dict]], complete: set[int], key: str,
@@ -266,15 +280,15 @@ def regrade(folder: Path, grader_name: str = "math-verify", workers: Optional[in
     out: dict[str, dict] = {}
     with Grader(workers=workers, name=grader_name) as grader:
         for bench_dir in benches:
-            rows = read_jsonl(bench_dir / "samples.jsonl")
+            rows = read_jsonl(bench_dir / "samples.jsonl", strict=True, torn_last_ok=False)  # rewritten below
             settings = _settings_by_key(bench_dir)
             for key in dict.fromkeys(r["key"] for r in rows):
                 if key not in settings:
                     raise StareError(f"{bench_dir}: no results file records the settings of samples {key}",
                                      hint="re-run `stare eval` with the same settings once")
                 mine = _grade_rows([r for r in rows if r["key"] == key], grader)
-                s = settings[key]
-                out[s.bench] = write_results(bench_dir, s, mine, grader, REFLECTION_WORDS, "regraded")
+                s, data = settings[key]
+                out[s.bench] = write_results(bench_dir, s, mine, grader, REFLECTION_WORDS, data)
             atomic_write_text(bench_dir / "samples.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
     return out
 
@@ -290,13 +304,31 @@ def latest_grader_results(bench_dir: Path) -> list[dict]:
         return []
 
 
-def _settings_by_key(bench_dir: Path) -> dict[str, EvalSettings]:
+def _settings_by_key(bench_dir: Path) -> dict[str, tuple[EvalSettings, dict]]:
+    """Each recorded setting of a benchmark folder, with the data record it was evaluated on."""
     found = {}
     for p in [bench_dir / "results.json", *sorted((bench_dir / "results").glob("*.json"))]:
         if p.exists():
-            res = json.loads(p.read_text())
-            found[res["key"]] = EvalSettings(**res["settings"])
+            try:
+                res = json.loads(p.read_text())
+                s = EvalSettings(**res["settings"])
+            except (ValueError, KeyError, TypeError) as e:
+                raise StareError(f"{p}: not a results file stare wrote ({type(e).__name__}: {str(e)[:80]})",
+                                 hint="remove it, or re-run `stare eval` with the same settings") from None
+            data = res.get("data") if isinstance(res.get("data"), dict) else {"source": str(res.get("data"))}
+            found[res["key"]] = (s, data)
     return found
+
+
+def data_record(bench: str, rows: list[dict], digest: str, data_file: Optional[str] = None) -> dict:
+    """Where a benchmark's problems came from, their digest and count, and whether they are only part
+    of the benchmark (a --limit, a smaller local file, or a generated set's subset): `partial` results
+    never count as the paper's protocol, and `stare compare` marks them."""
+    from benchmarks.data.registry import benchmark_source
+
+    spec = BENCHMARKS[bench]
+    return {"source": benchmark_source(bench, data_file), "sha256": digest, "problems": len(rows),
+            "reference_problems": spec.size, "partial": len(rows) < spec.size}
 
 
 def resolve_model(model: str) -> tuple[str, Optional[Path]]:

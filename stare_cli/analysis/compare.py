@@ -63,7 +63,11 @@ def _variant(cfg: dict) -> dict[str, object]:
 def _protocol(res: dict) -> tuple:
     p, s = res["protocol"], res["settings"]
     spec = BENCHMARKS.get(res["benchmark"])
-    limited = s.get("limit") is not None and (spec is None or res["metrics"].get("problems", 0) < spec.size)
+    data = res.get("data")
+    if isinstance(data, dict) and "partial" in data:  # recorded: a --limit, a smaller local file, a subset
+        limited = bool(data["partial"])
+    else:  # results written before the data record: from the settings
+        limited = s.get("limit") is not None and (spec is None or res["metrics"].get("problems", 0) < spec.size)
     return (p["n"], p["temperature"], p["top_p"], p["template"], p["max_tokens"], limited)
 
 

@@ -82,14 +82,21 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write via a temp file in the same directory and rename: readers never see half a file."""
+    """Write via a temp file in the same directory and rename: readers never see half a file. The
+    file gets the mode a plain `open` would give it (0666 less the umask), not mkstemp's 0600:
+    colleagues on shared storage read results as they read anything else of the user's."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
+            os.fchmod(f.fileno(), 0o666 & ~_UMASK)
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
@@ -159,9 +166,10 @@ def append_jsonl(path: Path, row: dict[str, Any]) -> None:
         f.flush()
 
 
-def read_jsonl(path: Path, strict: bool = False) -> list[dict[str, Any]]:
+def read_jsonl(path: Path, strict: bool = False, torn_last_ok: bool = True) -> list[dict[str, Any]]:
     """Rows of a JSONL file. A torn last line (a crash mid-write) is ignored; with `strict`, any other
-    line that is not a JSON object is an error naming the file and line. Non-UTF-8 content is an
+    line that is not a JSON object is an error naming the file and line (the last one too when not
+    `torn_last_ok`: for readers that rewrite the file and must lose nothing). Non-UTF-8 content is an
     error naming the file."""
     from stare_cli.core.errors import StareError
 
@@ -182,8 +190,9 @@ def read_jsonl(path: Path, strict: bool = False) -> list[dict[str, Any]]:
             row = None
         if isinstance(row, dict):
             rows.append(row)
-        elif strict and i < len(lines):
-            raise StareError(f"{path}:{i}: not a JSON object", hint="each line of a .jsonl file is one JSON object")
+        elif strict and (i < len(lines) or not torn_last_ok):
+            raise StareError(f"{path}:{i}: not a JSON object", hint="each line of a .jsonl file is one JSON object; "
+                             "fix or remove that line (nothing was changed)")
     return rows
 
 
