@@ -486,7 +486,7 @@ def test_eval_results_go_to_wandb_offline(cli, tmp_path, tiny_model, monkeypatch
 
 
 def test_lm_eval_bridge_runs_for_real_and_json_stays_machine_readable(tmp_path, tiny_model):
-    """lm-eval (installed by the test extras, as `pip install 'stare[lm-eval]'`) runs our task files
+    """lm-eval (installed by the test extras: `pip install -e '.[lm-eval]'`) runs our task files
     with our grader; with --json, stdout holds only our JSON (lm-eval's own table goes to stderr)."""
     code = subprocess.run(
         [sys.executable, "-m", "stare_cli", "eval", "--harness", "lm-eval", "--bench", "math500",

@@ -210,3 +210,26 @@ def test_plain_install_ships_recipes(tmp_path):
     assert p.returncode == 0, p.stderr
     assert p.stdout.splitlines()[0].startswith(str(target))
     assert "ok  short-cot/qwen2.5-math-7b" in p.stdout
+    # the shipped toy weights travel as package data and pass their hash check from the install
+    toy = subprocess.run([sys.executable, "-c", "from benchmarks.data.toy import ensure_toy_model as e; print(e('arith'))"],
+                         capture_output=True, text=True, cwd=work, env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"})
+    assert toy.returncode == 0 and toy.stdout.strip().startswith(str(target)), toy.stderr[-500:]
+
+
+def test_the_readmes_install_lines_install_this_project():
+    """`stare` on PyPI is another project: every install line names an extra of this checkout, and pip
+    resolves it to this distribution (dry run, offline)."""
+    import re
+
+    readme = (REPO / "README.md").read_text()
+    assert "pip install 'stare[" not in readme and "pip install stare" not in readme
+    extras = set(re.findall(r"pip install -e '\.\[([\w-]+)\]'", readme))
+    assert {"lm-eval", "verl"} <= extras
+    import tomllib
+
+    declared = set(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    assert extras <= declared
+    for extra in sorted(extras):
+        r = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", "--no-build-isolation",
+                            "--no-index", "-e", f".[{extra}]"], cwd=REPO, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0 and "Would install stare-rl-" in r.stdout, (extra, r.stdout[-500:], r.stderr[-500:])

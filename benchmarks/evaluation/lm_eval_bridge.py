@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Optional
 
 from benchmarks.data.registry import BENCHMARKS
-from stare_cli.core.errors import StareError
+from stare_cli.core.errors import StareError, install_hint
 
 UTILS = '''"""Written by stare: grading for lm-eval tasks with stare's grader (same verdicts as stare eval)."""
 from benchmarks.grading.graders import grade
@@ -105,7 +105,7 @@ def run(model: str, benches: list[str], out: Path, n: Optional[int], limit: Opti
     try:
         import lm_eval  # noqa: F401
     except ImportError:
-        raise StareError("lm-eval is not installed", hint="pip install 'stare[lm-eval]'") from None
+        raise StareError("lm-eval is not installed", hint=install_hint("lm-eval")) from None
     task_dir = out / "lm_eval_tasks"
     tasks = write_tasks(benches, task_dir, n, temperature, top_p, max_tokens, data_file)
     cmd = [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args", f"pretrained={model}",

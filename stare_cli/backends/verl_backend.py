@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from stare_cli.core.config import Recipe
-from stare_cli.core.errors import StareError
+from stare_cli.core.errors import StareError, install_hint
 from benchmarks.data.registry import dir_name
 
 if TYPE_CHECKING:
@@ -458,7 +458,7 @@ def ray_job_script(cfg: Recipe, overrides: list[str], run_dir: Path) -> str:
         + "). Submit from a machine that reaches the Ray head:\n"
         "#   RAY_ADDRESS=http://<head>:8265 bash this_script.sh\n"
         f"# The run directory is {run_dir} (on the shared filesystem every node mounts).\n"
-        "# Every node needs the dependencies (pip install 'stare[verl]'); the project's own code travels with the job.\n"
+        "# Every node needs the dependencies (pip install -e '.[verl]' in a stare checkout); the project's own code travels with the job.\n"
         "set -euo pipefail\n"
         f"ray job submit --runtime-env-json={shlex.quote(json.dumps(runtime_env))} -- \\\n    {cmd}\n"
     )
@@ -615,7 +615,7 @@ def run(cfg: Recipe, out_root: Path, dry_run: bool = False, emit_script: Optiona
     try:
         import verl  # noqa: F401
     except ImportError:
-        raise StareError("verl is not installed", hint="pip install 'stare[verl]' on the cluster") from None
+        raise StareError("verl is not installed", hint=install_hint("verl")) from None
     env = {**os.environ, **environment(cfg, run_dir)}
     # verl's output (its console logger included) goes to stderr and to verl.log in the run directory;
     # stdout carries only the run directory, as with the embedded backend.

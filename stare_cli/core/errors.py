@@ -36,3 +36,13 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
     """' (did you mean 'x'?)' for the closest choice, or '' when nothing is close."""
     close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.5)
     return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+# The distribution's name. `stare` on PyPI is another project (a CERN ATLAS client that also installs a
+# `stare` command), and this one is not published: extras install from the checkout.
+DISTRIBUTION = "stare-rl"
+
+
+def install_hint(extra: str) -> str:
+    """How to install one of our extras, as a working command (not PyPI's unrelated `stare`)."""
+    return f"pip install -e '.[{extra}]' in the stare checkout (distribution {DISTRIBUTION}; not on PyPI)"

@@ -123,7 +123,7 @@ def environment_summary() -> dict[str, Any]:
     from importlib import metadata
 
     versions = {}
-    for pkg in ("stare", "torch", "transformers", "math-verify", "verl", "vllm", "lm-eval"):
+    for pkg in ("stare-rl", "torch", "transformers", "math-verify", "verl", "vllm", "lm-eval"):
         try:
             versions[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
