@@ -319,6 +319,27 @@ def grade_audit(
     Console().print(t)
 
 
+@grade_app.command("agreement")
+def grade_agreement(
+    a: Annotated[Path, typer.Argument(help="A `stare eval` output folder (or one benchmark's folder).")],
+    b: Annotated[Path, typer.Argument(help="Another, of the same problems (e.g. another engine).")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Two evaluations of the same problems side by side: identical responses, where they part, accuracy."""
+    from benchmarks.evaluation.agreement import agreement
+
+    res = agreement(a, b)
+    if as_json:
+        typer.echo(json.dumps(res, indent=2))
+        return
+    for name, m in res["benchmarks"].items():
+        (x, y) = m["accuracy"]
+        typer.echo(f"{name}: {m['pairs']} pairs ({m['engines'][0]} vs {m['engines'][1]}), identical "
+                   f"{100 * m['identical']:.1f}%, common prefix {m['common_prefix_chars']:.0f} of "
+                   f"{m['mean_chars'][0]:.0f}/{m['mean_chars'][1]:.0f} chars; accuracy {x['avg']:.1f} "
+                   f"[{x['ci95'][0]:.1f}, {x['ci95'][1]:.1f}] vs {y['avg']:.1f} [{y['ci95'][0]:.1f}, {y['ci95'][1]:.1f}]")
+
+
 # --------------------------------------------------------------------------------------- compare
 class Format(str, Enum):
     table = "table"

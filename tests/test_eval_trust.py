@@ -128,3 +128,20 @@ def test_atomic_writes_take_the_umask_in_force(tmp_path, mask):
             "from stare_cli.core.runs import atomic_write_text; atomic_write_text(Path(sys.argv[2]), 'x')")
     subprocess.run([sys.executable, "-c", code, oct(mask)[2:], str(tmp_path / "f")], check=True)
     assert stat.S_IMODE((tmp_path / "f").stat().st_mode) == 0o666 & ~mask
+
+
+def test_agreement_pairs_two_evaluations_of_the_same_problems(cli, tmp_path):
+    data = _data(tmp_path / "d.jsonl", n=8)
+    _eval(cli, data, tmp_path / "a", "--temperature", "0")
+    _eval(cli, data, tmp_path / "b", "--temperature", "0")  # greedy twice: the same responses
+    _eval(cli, data, tmp_path / "c", "--temperature", "1.0", "--seed", "3")
+    code, text, err = cli("grade", "agreement", str(tmp_path / "a"), str(tmp_path / "b"), "--json")
+    assert code == 0, err
+    m = json.loads(text)["benchmarks"]["math500"]
+    assert (m["pairs"], m["identical"]) == (16, 1.0) and m["first_divergence"] == []
+    assert m["common_prefix_chars"] == m["mean_chars"][0] and m["accuracy"][0]["avg"] == m["accuracy"][1]["avg"]
+    code, text, _ = cli("grade", "agreement", str(tmp_path / "a"), str(tmp_path / "c"), "--json")
+    m = json.loads(text)["benchmarks"]["math500"]
+    assert m["identical"] < 1 and m["first_divergence"] and m["common_prefix_chars"] < m["mean_chars"][0]
+    code, _, err = cli("grade", "agreement", str(tmp_path / "a"), str(tmp_path / "nothing"))
+    assert code == 1 and "share no benchmark folder" in err
