@@ -652,8 +652,10 @@ def _run(argv: Optional[list[str]]) -> int:
         return rv if isinstance(rv, int) else 0
     except _EXIT as e:
         return e.exit_code
-    except _USAGE as e:
-        e.show()
+    except _USAGE as e:  # one line, as every other error: the message and where the usage is
+        where = e.ctx.command_path if getattr(e, "ctx", None) is not None else "stare"
+        message = " ".join(e.format_message().split())
+        print(f"error: {message} (hint: {where} --help)", file=sys.stderr)
         return 2
     except Interrupted as e:
         print(str(e), file=sys.stderr)

@@ -145,3 +145,18 @@ def test_agreement_pairs_two_evaluations_of_the_same_problems(cli, tmp_path):
     assert m["identical"] < 1 and m["first_divergence"] and m["common_prefix_chars"] < m["mean_chars"][0]
     code, _, err = cli("grade", "agreement", str(tmp_path / "a"), str(tmp_path / "nothing"))
     assert code == 1 and "share no benchmark folder" in err
+
+
+def test_a_corrupt_results_file_or_a_row_without_its_key_is_named(cli, tmp_path):
+    out = tmp_path / "ev"
+    _eval(cli, _data(tmp_path / "d.jsonl", n=2), out)
+    f = out / "math500" / "samples.jsonl"
+    rows = f.read_text().splitlines()
+    row = json.loads(rows[1])
+    del row["key"]
+    f.write_text("\n".join([rows[0], json.dumps(row), *rows[2:]]) + "\n")
+    code, _, err = cli("eval", "--regrade", str(out), "--grader", "mathruler", "--workers", "0")
+    assert code == 1 and f"{f}:2: no 'key' field" in err and len(err.strip().splitlines()) == 1
+    (out / "math500" / "results.json").write_text("{not json")
+    code, _, err = cli("compare", str(out))
+    assert code == 1 and f"{out / 'math500' / 'results.json'}: unreadable results file" in err

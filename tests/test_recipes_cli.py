@@ -233,3 +233,29 @@ def test_the_readmes_install_lines_install_this_project():
         r = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", "--no-build-isolation",
                             "--no-index", "-e", f".[{extra}]"], cwd=REPO, capture_output=True, text=True, timeout=600)
         assert r.returncode == 0 and "Would install stare-rl-" in r.stdout, (extra, r.stdout[-500:], r.stderr[-500:])
+
+
+@pytest.mark.parametrize("args,message", [
+    (["eval", "--bench", "math500", "--model", "m", "-n", "0"], "Invalid value for '-n'"),
+    (["eval", "--bench", "math500", "--model", "m", "--top-p", "2"], "Invalid value for '--top-p'"),
+    (["compare", "runs", "--format", "xml"], "Invalid value for '--format'"),
+    (["train", "--recipe", "tiny/arith", "--device", "tpu"], "Invalid value for '--device'"),
+    (["sweep", "-r", "tiny/arith", "-m", "grpo", "-s", "1", "--threads", "0"], "Invalid value for '--threads'"),
+    (["train", "--no-such-flag"], "No such option: --no-such-flag"),
+])
+def test_bad_option_values_are_one_line_with_exit_2(cli, args, message):
+    code, out, err = cli(*args)
+    assert code == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0] and "--help" in lines[0], err
+
+
+@pytest.mark.parametrize("model,message", [
+    ("/nonexistent/model", "no such file or directory"),
+    ("EMPTY", "no config.json in that folder"),
+])
+def test_a_model_that_is_not_there_is_one_line(cli, tmp_path, model, message):
+    if model == "EMPTY":
+        model = str(tmp_path)
+    code, _, err = cli("eval", "--bench", "toy:arith", "--model", model, "--limit", "1")
+    assert code == 1 and message in err and len(err.strip().splitlines()) == 1, err

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 import threading
 import time
@@ -34,6 +35,7 @@ from stare_cli.core.errors import StareError
 from stare_cli.core.runs import atomic_write_text, environment_summary, read_jsonl
 
 CHUNK = 8  # problems per generation call; fixed so resumed runs sample identically
+SAMPLE_FIELDS = ("key", "idx", "sample", "response", "gold", "finished")  # what every samples.jsonl row holds
 
 
 @dataclass(frozen=True)
@@ -217,7 +219,7 @@ def evaluate_benchmark(engine, tokenizer, s: EvalSettings, out_dir: Path, grader
     key = s.key()
     done: dict[tuple[int, int], dict] = {}
     others = []  # rows of other settings: kept as they are
-    for r in read_jsonl(samples_path, strict=True):  # a torn last line (a crash) is redone; others refused
+    for r in read_jsonl(samples_path, strict=True, required=SAMPLE_FIELDS):  # a torn last line is redone
         if r.get("key") == key:
             done[(r["idx"], r["sample"])] = r
         else:
@@ -280,7 +282,8 @@ def regrade(folder: Path, grader_name: str = "math-verify", workers: Optional[in
     out: dict[str, dict] = {}
     with Grader(workers=workers, name=grader_name) as grader:
         for bench_dir in benches:
-            rows = read_jsonl(bench_dir / "samples.jsonl", strict=True, torn_last_ok=False)  # rewritten below
+            rows = read_jsonl(bench_dir / "samples.jsonl", strict=True, torn_last_ok=False,  # rewritten below
+                              required=SAMPLE_FIELDS)
             settings = _settings_by_key(bench_dir)
             for key in dict.fromkeys(r["key"] for r in rows):
                 if key not in settings:
@@ -338,13 +341,19 @@ def resolve_model(model: str) -> tuple[str, Optional[Path]]:
 
     if model.startswith("toy:") or model in MODELS:
         return resolve_model_path(model), None
-    p = Path(model)
+    p = Path(model).expanduser()
     if (p / "checkpoints" / "latest").exists():
         p = p / "checkpoints" / "latest"
     if p.exists():
         real = p.resolve()
+        if real.is_dir() and not (real / "config.json").exists():
+            raise StareError(f"--model {model}: no config.json in that folder (not a model, checkpoint or run directory)",
+                             hint="point at a folder save_pretrained wrote, a run directory, or a hub id")
         run = real.parent.parent if real.parent.name == "checkpoints" else None
         return str(real), run
+    if model.startswith(("/", "./", "../", "~")) or model.count("/") > 1 or os.sep + os.sep in model:
+        raise StareError(f"--model {model}: no such file or directory",
+                         hint="a local folder, a run directory, a short name (`stare model list`) or a hub id org/name")
     return model, None
 
 

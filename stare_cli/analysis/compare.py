@@ -77,8 +77,9 @@ def _collect_results(folder: Path) -> dict[str, dict]:
     for f in folder.rglob("results.json"):
         try:
             res = json.loads(f.read_text())
-        except (OSError, json.JSONDecodeError):
-            continue
+        except (OSError, json.JSONDecodeError) as e:  # never a table silently missing a result
+            raise StareError(f"{f}: unreadable results file ({type(e).__name__})",
+                             hint="remove it, or run the evaluation again to rewrite it") from None
         b = res.get("benchmark")
         if b and (b not in found or f.stat().st_mtime > found[b][0]):
             found[b] = (f.stat().st_mtime, res)

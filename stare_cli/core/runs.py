@@ -166,11 +166,13 @@ def append_jsonl(path: Path, row: dict[str, Any]) -> None:
         f.flush()
 
 
-def read_jsonl(path: Path, strict: bool = False, torn_last_ok: bool = True) -> list[dict[str, Any]]:
+def read_jsonl(path: Path, strict: bool = False, torn_last_ok: bool = True,
+               required: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     """Rows of a JSONL file. A torn last line (a crash mid-write) is ignored; with `strict`, any other
     line that is not a JSON object is an error naming the file and line (the last one too when not
-    `torn_last_ok`: for readers that rewrite the file and must lose nothing). Non-UTF-8 content is an
-    error naming the file."""
+    `torn_last_ok`: for readers that rewrite the file and must lose nothing). A row without one of
+    the `required` fields is an error naming the file, line and field. Non-UTF-8 content is an error
+    naming the file."""
     from stare_cli.core.errors import StareError
 
     rows: list[dict[str, Any]] = []
@@ -189,6 +191,9 @@ def read_jsonl(path: Path, strict: bool = False, torn_last_ok: bool = True) -> l
         except json.JSONDecodeError:
             row = None
         if isinstance(row, dict):
+            missing = [k for k in required if k not in row]
+            if missing:
+                raise StareError(f"{path}:{i}: no '{missing[0]}' field", hint="is this a file stare wrote?")
             rows.append(row)
         elif strict and (i < len(lines) or not torn_last_ok):
             raise StareError(f"{path}:{i}: not a JSON object", hint="each line of a .jsonl file is one JSON object; "
