@@ -101,14 +101,20 @@ def test_pass_at_k_equals_brute_force():
 
 
 def test_avg_and_maj_hand_made():
-    # Problem 1: 3/4 correct, answers 5,5,5,7 (7 wrong) -> maj@4 right; maj@1 right (first is 5).
-    # Problem 2: 1/4 correct, answers 2,3,3,None (2 right) -> maj@4 wrong (3 wins), maj@1 right.
+    # maj@k is the expected vote over the C(4, k) subsets of k samples (issue 30: maj@1 was the first sample).
+    # Problem 1: 3/4 correct, answers 5,5,5,7 (7 wrong). maj@1 = 3/4 (a single sample is right 3 times
+    #   in 4); maj@2: every pair has a 5 first or alone (7 ties lose to the earlier 5) -> 6/6; maj@4: 5 wins.
+    # Problem 2: 1/4 correct, answers 2,3,3,None (2 right). maj@1 = 1/4; maj@2 over the 6 pairs:
+    #   (0,1) 2-3 tie -> 2 right, (0,2) right, (0,3) only 2 -> right, (1,2) 3, (1,3) 3, (2,3) 3 -> 3/6;
+    #   maj@4: 3 wins (2 votes) -> wrong.
+    # So maj@1 = (3/4 + 1/4) / 2 = 50 = avg@4, maj@2 = (1 + 1/2) / 2 = 75, maj@4 = (1 + 0) / 2 = 50.
     p1 = {"correct": [True, True, True, False], "answers": ["5", "5", "5", "7"], "lengths": [10] * 4, "finished": [True] * 4}
     p2 = {"correct": [True, False, False, False], "answers": ["2", "3", "3", None], "lengths": [20] * 4,
           "finished": [True, True, True, False]}
     m = benchmark_metrics([p1, p2])
     assert m["avg@4"] == pytest.approx(100 * (0.75 + 0.25) / 2)
-    assert m["maj@4"] == pytest.approx(50.0) and m["maj@1"] == pytest.approx(100.0)
+    assert m["maj@4"] == pytest.approx(50.0) and m["maj@2"] == pytest.approx(75.0)
+    assert m["maj@1"] == pytest.approx(m["avg@4"]) == pytest.approx(50.0)
     assert m["pass@1"] == pytest.approx(m["avg@4"])
     assert m["pass@4"] == pytest.approx(100.0)
     assert m["len/mean"] == pytest.approx(15.0) and m["truncated"] == pytest.approx(12.5)
@@ -521,3 +527,31 @@ def test_grade_audit_puts_graders_side_by_side(cli, tmp_path, tiny_model):
     first = next(d for d in dis if d["gold"] == "1024")
     assert first["verdicts"]["math-verify@4"]["correct"] and not first["verdicts"]["mathruler@1"]["correct"]
     assert not any(d["gold"] == "7" for d in dis)
+
+
+def test_maj_at_k_equals_brute_force_and_maj_at_1_is_the_average():
+    import itertools
+    import random as _random
+    from math import comb
+
+    from benchmarks.evaluation.metrics import answer_classes, majority_at_k
+
+    rng = _random.Random(3)
+    for _ in range(30):
+        n = rng.randint(1, 8)
+        answers = [rng.choice(["1", "2", "3", None]) for _ in range(n)]
+        correct = [a == "2" for a in answers]
+        classes = answer_classes(answers)
+        for k in range(1, n + 1):
+            subsets = list(itertools.combinations(range(n), k))
+            brute = sum(majority_correct([answers[i] for i in s], [correct[i] for i in s]) for s in subsets) / len(subsets)
+            assert majority_at_k(classes, correct, k) == pytest.approx(brute)
+        assert majority_at_k(classes, correct, 1) == pytest.approx(sum(correct) / n)
+    # past 2,000 subsets: a seeded estimate over 1,000, within its sampling error of the exact value
+    answers = ["1"] * 10 + ["2"] * 9 + ["3"] * 13
+    correct = [a == "1" for a in answers]
+    est = majority_at_k(answer_classes(answers), correct, 16)
+    exact = sum(majority_correct([answers[i] for i in s], [correct[i] for i in s])
+                for s in itertools.islice(itertools.combinations(range(32), 16), 0, None, 9973)) / len(
+                    range(0, comb(32, 16), 9973))
+    assert abs(est - exact) < 0.06  # 1,000 draws: standard error <= 0.016; the reference is a 1-in-9973 stride

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 import threading
 import time
@@ -346,15 +345,22 @@ def resolve_model(model: str) -> tuple[str, Optional[Path]]:
         p = p / "checkpoints" / "latest"
     if p.exists():
         real = p.resolve()
-        if real.is_dir() and not (real / "config.json").exists():
-            raise StareError(f"--model {model}: no config.json in that folder (not a model, checkpoint or run directory)",
-                             hint="point at a folder save_pretrained wrote, a run directory, or a hub id")
         run = real.parent.parent if real.parent.name == "checkpoints" else None
         return str(real), run
-    if model.startswith(("/", "./", "../", "~")) or model.count("/") > 1 or os.sep + os.sep in model:
+    return model, None
+
+
+def check_model_path(model: str, path: str) -> None:
+    """One line for a --model that names no model: a missing path (not a hub id `org/name`), or a
+    folder without a config.json."""
+    p = Path(path)
+    if p.exists():
+        if p.is_dir() and not (p / "config.json").exists():
+            raise StareError(f"--model {model}: no config.json in that folder (not a model, checkpoint or run directory)",
+                             hint="point at a folder save_pretrained wrote, a run directory, or a hub id")
+    elif model.startswith(("/", "./", "../", "~")) or model.count("/") > 1:
         raise StareError(f"--model {model}: no such file or directory",
                          hint="a local folder, a run directory, a short name (`stare model list`) or a hub id org/name")
-    return model, None
 
 
 def check_inputs(benches: list[str], limit: Optional[int], data_file: Optional[str], out: Path) -> dict[str, list[dict]]:
@@ -406,6 +412,7 @@ def run_eval(model: str, benches: list[str], engine_name: str = "auto", n: Optio
     if out is None:
         out = (run_dir / "eval" / Path(path).name) if run_dir else Path("evals") / path.strip("/").replace("/", "__")
     data = check_inputs(benches, limit, data_file, out)  # before the model loads
+    check_model_path(model, path)
     if engine_name == "auto":
         engine_name = _auto_engine()
     print(f"stare eval: loading {path} ({engine_name} engine)", file=sys.stderr, flush=True)

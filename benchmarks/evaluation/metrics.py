@@ -1,16 +1,19 @@
 """Metrics over n graded samples per problem: avg@n, unbiased pass@k, maj@k.
 
 pass@k = 1 - C(n - c, k) / C(n, k) per problem (Chen et al. 2021), averaged over problems.
-maj@k: majority vote over the extracted answers of the first k samples, answers the grader judges
-equal counting as one (`same`; `\\frac{1}{2}`, `0.5` and `1/2` vote together; ties: the answer seen
-first), correct when that answer's samples were graded correct; averaged over problems.
+maj@k: the expected accuracy of a majority vote over k of the n samples drawn without replacement,
+as pass@k is an expectation over k of n (so maj@1 = avg@n, and maj@n is the vote of all n). In a
+vote, answers the grader judges equal count as one (`same`; `\\frac{1}{2}`, `0.5` and `1/2` vote
+together; ties: the answer seen first), and the vote is correct when that answer's samples were
+graded correct. Exact over every k-subset up to 2,000 of them, else a seeded estimate over 1,000;
+averaged over problems.
 ci95/avg@n: a bootstrap 95% interval of avg@n over problems (1,000 resamples, seeded).
 """
 
 from __future__ import annotations
 
 import re
-from collections import Counter
+from itertools import combinations
 from math import comb
 import random
 from typing import Callable, Optional, Sequence
@@ -57,6 +60,57 @@ def majority_correct(answers: Sequence[Optional[str]], correct: Sequence[bool],
     return any(correct[i] for i in best)
 
 
+def answer_classes(answers: Sequence[Optional[str]], same: Optional[Callable[[str, str], bool]] = None
+                   ) -> list[Optional[int]]:
+    """A class id per sample (answers `same` calls equal share one; None: no answer), numbered in
+    order of first appearance."""
+    reps: list[str] = []
+    out: list[Optional[int]] = []
+    for a in answers:
+        if a is None:
+            out.append(None)
+            continue
+        for c, rep in enumerate(reps):
+            if a == rep or (same is not None and same(a, rep)):
+                out.append(c)
+                break
+        else:
+            reps.append(a)
+            out.append(len(reps) - 1)
+    return out
+
+
+MAJ_EXACT_SUBSETS = 2000
+MAJ_SAMPLED_SUBSETS = 1000
+
+
+def majority_at_k(classes: Sequence[Optional[int]], correct: Sequence[bool], k: int, seed: int = 0) -> float:
+    """The expected correctness of a majority vote over k of the samples (see the module docstring)."""
+    n = len(classes)
+    if k > n:
+        raise ValueError(f"maj@{k} needs at least {k} samples, got {n}")
+
+    def vote(idx: Sequence[int]) -> bool:
+        counts: dict[int, int] = {}
+        first: dict[int, int] = {}
+        for pos, i in enumerate(idx):
+            c = classes[i]
+            if c is not None:
+                counts[c] = counts.get(c, 0) + 1
+                first.setdefault(c, pos)
+        if not counts:
+            return False
+        best = max(counts, key=lambda c: (counts[c], -first[c]))
+        return any(correct[i] for i in idx if classes[i] == best)
+
+    if comb(n, k) <= MAJ_EXACT_SUBSETS:
+        subsets = list(combinations(range(n), k))
+    else:
+        rng = random.Random(seed * 1_000_003 + n * 1009 + k)
+        subsets = [sorted(rng.sample(range(n), k)) for _ in range(MAJ_SAMPLED_SUBSETS)]
+    return sum(vote(s) for s in subsets) / len(subsets)
+
+
 def bootstrap_ci(values: Sequence[float], n_boot: int = 1000, seed: int = 0, level: float = 0.95) -> tuple[float, float]:
     """A percentile bootstrap interval of the mean of `values` (resampled with replacement)."""
     if not values:
@@ -80,10 +134,11 @@ def benchmark_metrics(per_problem: list[dict], same: Optional[Callable[[str, str
     acc = [sum(p["correct"][:n]) / n for p in per_problem]
     out[f"avg@{n}"] = 100 * sum(acc) / len(acc)
     out[f"ci95/avg@{n}"] = [100 * x for x in bootstrap_ci(acc)]
+    classes = [answer_classes(p["answers"][:n], same) for p in per_problem]
     for k in ks_for(n):
         out[f"pass@{k}"] = 100 * sum(pass_at_k(n, sum(p["correct"][:n]), k) for p in per_problem) / len(per_problem)
-        out[f"maj@{k}"] = 100 * sum(majority_correct(p["answers"][:k], p["correct"][:k], same)
-                                    for p in per_problem) / len(per_problem)
+        out[f"maj@{k}"] = 100 * sum(majority_at_k(c, p["correct"][:n], k, seed=i)
+                                    for i, (c, p) in enumerate(zip(classes, per_problem))) / len(per_problem)
     lens = [x for p in per_problem for x in p["lengths"][:n]]
     fins = [x for p in per_problem for x in p["finished"][:n]]
     out["len/mean"] = sum(lens) / len(lens)
