@@ -95,7 +95,7 @@ def test_one_training_step_of_the_real_model_recipe(cli, tmp_path, smollm2):
             "-o", "optim.total_steps=1", "-o", "rollout.n=4", "-o", "optim.train_batch_size=2",
             "-o", "optim.mini_batch_size=2", "-o", "rollout.gen_batch_size=2", "-o", "rollout.max_gen_batches=1",
             "-o", "rollout.max_response_tokens=32", "-o", "method.dynamic_sampling=false", "-o", "eval.limit=4",
-            "-o", "eval.n=1", "-o", "method.stare.h_tgt=10", "-o", "optim.micro_batch_size=4", "-o", "logging.samples_every=1"]
+            "-o", "eval.n=1", "-o", "method.stare.h_tgt=10", "-o", "optim.micro_batch_size=8", "-o", "logging.samples_every=1"]
     code, out, err = cli(*args)
     assert code == 0, err[-2000:]
     run = Path(out.strip().splitlines()[-1])
