@@ -283,3 +283,22 @@ def test_garbage_and_non_utf8_files_are_named(cli, tmp_path, quick_toy):
     bad.write_bytes(b"optim:\n  lr: \xff\n")
     code, _, err = cli("recipes", "validate", str(bad))
     assert code == 1 and "r.yaml" in err and "Traceback" not in err
+
+
+def test_a_junk_folder_named_like_a_checkpoint_never_counts_toward_keep_last(tmp_path, quick_toy):
+    """`step-zzz` used to sort first and count as the newest checkpoint, so keep_last deleted a real one."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from stare_cli.backends import checkpoints
+    from stare_cli.core.runs import checkpoint_steps
+
+    model = AutoModelForCausalLM.from_pretrained(quick_toy)
+    tok = AutoTokenizer.from_pretrained(quick_toy)
+    opt = torch.optim.AdamW(model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    (tmp_path / "checkpoints" / "step-zzz").mkdir(parents=True)
+    for step in (9, 10):
+        checkpoints.save_checkpoint(tmp_path, step, model, tok, opt, sched, {"step": step, "cursor": 0}, keep_last=2)
+    assert [p.name for p in checkpoint_steps(tmp_path)] == ["step-000010", "step-000009"]
+    assert (tmp_path / "checkpoints" / "step-zzz").is_dir()  # not ours to delete either

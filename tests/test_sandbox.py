@@ -400,3 +400,106 @@ def test_an_interpreter_under_tmp_is_visible_and_read_only(tmp_path):
     assert o.text().splitlines() == [str(venv), "refused OSError"], o.output
     assert not (venv / "probe").exists()
 
+
+
+# ------------------------------------------------------- issue 35: keyrings, the uid pool, the code
+KEYS_PROBE = textwrap.dedent("""
+    import ctypes, errno, platform
+    libc = ctypes.CDLL(None, use_errno=True)
+    NR = {"x86_64": (248, 250), "aarch64": (217, 219)}[platform.machine()]
+    add_key, keyctl = NR
+    found = libc.syscall(keyctl, 10, ctypes.c_long(-3), b"user", b"stare-test-secret", 0)  # KEYCTL_SEARCH @s
+    print("search", found, errno.errorcode.get(ctypes.get_errno()))
+    for ring in (-3, -4, -5):  # session, user, user-session keyrings
+        k = libc.syscall(add_key, b"user", b"stare-test-planted", b"x", 1, ctypes.c_long(ring))
+        print("plant", ring, k, errno.errorcode.get(ctypes.get_errno()))
+""")
+
+
+def _keyctl():
+    import ctypes
+    import platform
+
+    nr = {"x86_64": (248, 250), "aarch64": (217, 219)}.get(platform.machine())
+    if nr is None:
+        pytest.skip(f"no keyring system call numbers here for {platform.machine()}")
+    return ctypes.CDLL(None, use_errno=True), nr
+
+
+def test_the_callers_keyrings_can_be_neither_read_nor_written():
+    """A secret in the caller's session keyring (what a login session holds) is invisible to a call,
+    and a key a call plants is found neither by the host nor by the next call. Without the fresh
+    session keyring and the seccomp filter, the call found the secret and planted keys."""
+    import ctypes
+
+    libc, (add_key, keyctl) = _keyctl()
+    secret = libc.syscall(add_key, b"user", b"stare-test-secret", b"s3cr3t", 6, ctypes.c_long(-3))
+    if secret < 0:
+        pytest.skip(f"this kernel keeps no keys (add_key: errno {ctypes.get_errno()})")
+    try:
+        for _ in range(2):  # the second call would see what the first planted
+            o = run_python(KEYS_PROBE, L)
+            lines = o.text().splitlines()
+            assert o.status == "ok" and lines[0] == "search -1 EPERM", o.text()
+            assert all(ln.startswith("plant ") and ln.endswith(" -1 EPERM") for ln in lines[1:]), o.text()
+        for ring in (-3, -4, -5):  # nothing planted on the host side
+            assert libc.syscall(keyctl, 10, ctypes.c_long(ring), b"user", b"stare-test-planted", 0) < 0
+    finally:
+        libc.syscall(keyctl, 21, ctypes.c_long(secret), ctypes.c_long(-3))  # KEYCTL_UNLINK
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the uid pool is used only when the caller is root")
+def test_the_uid_pool_folder_of_another_user_or_a_symlinked_lock_is_refused(tmp_path, monkeypatch):
+    """Another user who made the pool's folder first (with 0.lock a symlink to a root file) could
+    make root truncate that file and block every call. Now: a refusal naming the folder, the file intact."""
+    import tempfile
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    victim.chmod(0o600)
+    base = tmp_path / "tmp"
+    base.mkdir()
+    base.chmod(0o777)
+    monkeypatch.setenv("TMPDIR", str(base))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    pool = base / "stare-sandbox-uids"
+    pool.mkdir()
+    os.symlink(victim, pool / "0.lock")
+    os.chown(pool, 4321, 4321)
+    pool.chmod(0o777)
+    o = run_python("print('ran')", L)
+    assert o.status == "error" and "stare-sandbox-uids belongs to uid 4321" in o.text(), o.text()
+    assert victim.read_text() == "precious"
+    os.chown(pool, 0, 0)  # ours now, but the planted symlink is still there: never followed
+    pool.chmod(0o700)
+    o = run_python("print('ran')", L)
+    assert victim.read_text() == "precious"
+    assert o.status == "ok" or "Too many levels of symbolic links" in o.text()
+    shutil.rmtree(pool)
+    os.symlink(victim, pool)  # the folder itself a symlink
+    o = run_python("print('ran')", L)
+    assert o.status == "error" and "not a directory of ours" in o.text() and victim.read_text() == "precious"
+
+
+def test_the_code_is_on_no_command_line_and_large_code_runs():
+    marker = f"stare-code-marker-{os.getpid()}-{time.time_ns()}"
+    seen: list[list[str]] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            seen.append(_procs_with(marker))
+            time.sleep(0.02)
+
+    t = threading.Thread(target=watch)
+    t.start()
+    try:
+        o = run_python(f"import time\nx = {marker!r}\ntime.sleep(1.5)\nprint(len(x))", L)
+    finally:
+        done.set()
+        t.join()
+    assert o.status == "ok" and o.text() == str(len(marker))
+    assert len(seen) > 10 and not any(seen)
+    big = "# " + "x" * 200_000 + "\n" + "\n".join(f"v{i} = {i}" for i in range(5000)) + "\nprint(v4999)"
+    o = run_python(big, Limits(cpu_s=10, wall_s=30, memory_mb=512))
+    assert (o.status, o.text()) == ("ok", "4999")

@@ -1,4 +1,4 @@
-"""The tool sandbox's launcher: run as `python -I -S _sandbox_init.py CONFIG_JSON` (standard library
+"""The tool sandbox's launcher: run as `python -I -S _sandbox_init.py < CONFIG_JSON` (standard library
 only, a fresh single-threaded process, as user namespaces require). benchmarks/generation/sandbox.py starts it;
 read that module's docstring for what the sandbox guarantees. Processes:
 
@@ -9,7 +9,10 @@ read that module's docstring for what the sandbox guarantees. Processes:
      └─ G  PID 1 of the new PID namespace: builds a new root (read-only binds of the system and the
            interpreter, private tmpfs for /tmp, HOME, /dev/shm, a new /proc), pivots into it, forks
         └─ P  limits (CPU, memory, file size, files, processes), every capability dropped and never
-              regained (bounding set, securebits, no_new_privs), then execs the interpreter.
+              regained (bounding set, securebits, no_new_privs), a session keyring of its own and a
+              seccomp filter that refuses the keyring system calls, then execs the interpreter,
+              which reads the code from a pipe (fd 3): the code is on no command line.
+The configuration (code included) arrives on H's stdin, not in its arguments: `ps` shows no code.
 When P exits, G exits, and the kernel kills everything left in the PID namespace (daemons too).
 Each of H, C and G is killed when its parent dies, so killing H (the caller's wall-clock limit, or
 the caller dying) ends the whole call. Exit statuses travel back up unchanged: a signal that killed
@@ -32,6 +35,24 @@ MS_NOATIME, MS_NODIRATIME, MS_RELATIME = 1024, 2048, 1 << 21
 MNT_DETACH = 2
 PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_SECUREBITS, PR_CAP_AMBIENT, PR_SET_NO_NEW_PRIVS = 1, 24, 28, 47, 38
 PR_CAP_AMBIENT_CLEAR_ALL = 4
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+# Keyrings are not namespaced: a call could read the caller's session or user keyring, or plant keys
+# there. Per architecture: (audit arch, add_key, request_key, keyctl).
+KEY_SYSCALLS = {"x86_64": (0xC000003E, 248, 249, 250), "aarch64": (0xC00000B7, 217, 218, 219),
+                "ppc64le": (0xC0000015, 269, 270, 271), "s390x": (0x80000016, 278, 279, 280)}
+KEYCTL_JOIN_SESSION_KEYRING = 1
+X32_SYSCALL_BIT = 0x40000000
+# The interpreter's program: read the code from fd 3 (a pipe PID 1 fills), then run it as `-c` would.
+LOADER = ("import os as _o\n"
+          "def _r():\n"
+          "    b = b''\n"
+          "    while True:\n"
+          "        c = _o.read(3, 1 << 16)\n"
+          "        if not c:\n"
+          "            return b\n"
+          "        b += c\n"
+          "_s = _r()\n_o.close(3)\ndel _r, _o\n"
+          "exec(compile(_s, '<string>', 'exec'))\n")
 SECURE_ALL = 0x01 | 0x02 | 0x04 | 0x08 | 0x20 | 0x40 | 0x80  # noroot, no_setuid_fixup, no ambient raise; locked
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "ppc64le": 203, "s390x": 217}
 DEVICES = ("null", "zero", "full", "random", "urandom")
@@ -168,6 +189,39 @@ def _drop_everything(cfg: dict) -> None:
     _prctl(PR_SET_NO_NEW_PRIVS, 1, "no_new_privs")
 
 
+def _no_keyrings() -> None:
+    """A new, empty session keyring, then a seccomp filter that makes add_key, request_key and keyctl
+    fail with EPERM (so neither the caller's user keyring nor any other can be read or written); any
+    other architecture or ABI (i386, x32) of a system call is refused too. Fails closed: no filter, no call."""
+    arch = platform.machine()
+    if arch not in KEY_SYSCALLS:
+        raise SetupError(f"seccomp: no keyring system call numbers for {arch}")
+    audit, add_key, request_key, keyctl = KEY_SYSCALLS[arch]
+    libc.syscall(keyctl, KEYCTL_JOIN_SESSION_KEYRING, None)  # best effort: the filter is the guarantee
+    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
+    allow, deny = 0x7FFF0000, 0x00050000 | 1  # SECCOMP_RET_ALLOW; SECCOMP_RET_ERRNO | EPERM
+    prog = [(ld, 0, 0, 4),                     # A = arch
+            (jeq, 1, 0, audit),                # native: skip the next
+            (ret, 0, 0, deny),                 # another ABI: refused
+            (ld, 0, 0, 0),                     # A = system call number
+            (jge, 4, 0, X32_SYSCALL_BIT),      # x32 numbers: refused
+            (jeq, 3, 0, add_key),
+            (jeq, 2, 0, request_key),
+            (jeq, 1, 0, keyctl),
+            (ret, 0, 0, allow),
+            (ret, 0, 0, deny)]
+
+    class SockFilter(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
+
+    filters = (SockFilter * len(prog))(*[SockFilter(*f) for f in prog])
+    fprog = SockFprog(len(prog), filters)
+    _ok(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(fprog), 0, 0), "seccomp filter")
+
+
 def _exit_like(status: int) -> None:
     """Leave the way a child with wait status `status` left: the same signal, or the same code."""
     if os.WIFSIGNALED(status):
@@ -194,15 +248,29 @@ def _pid1(cfg: dict, status_w: int) -> None:
         _ok(libc.sethostname(b"sandbox", 7), "sethostname")
     except (OSError, SetupError) as e:
         _fail(str(e))
+    code_r, code_w = os.pipe()
     pid = os.fork()
     if pid == 0:
         try:
+            os.close(code_w)
+            os.dup2(code_r, 3)  # inheritable: the interpreter reads the code there
+            if code_r != 3:
+                os.close(code_r)
             _drop_everything(cfg)
+            _no_keyrings()
             env = {"HOME": "/home/sandbox", "TMPDIR": "/tmp", "PATH": "/usr/local/bin:/usr/bin:/bin",
                    "PYTHONDONTWRITEBYTECODE": "1", "LANG": "C.UTF-8", "USER": "sandbox", "MPLBACKEND": "Agg"}
-            os.execve(cfg["python"], [cfg["python"], "-I", "-c", cfg["code"]], env)
+            os.execve(cfg["python"], [cfg["python"], "-I", "-c", LOADER], env)
         except (OSError, SetupError) as e:
             _fail(str(e))
+    os.close(code_r)
+    try:
+        data = cfg["code"].encode()
+        while data:
+            data = data[os.write(code_w, data):]
+    except OSError:
+        pass  # the code's process died before reading it all: its status says why
+    os.close(code_w)
     _, status = os.waitpid(pid, 0)
     os.write(status_w, status.to_bytes(4, "little"))
     os._exit(0)  # everything else in the namespace dies with PID 1
@@ -273,7 +341,10 @@ def _open_sources(cfg: dict) -> dict:
 
 
 def main() -> None:
-    cfg = json.loads(sys.argv[1])
+    cfg = json.loads(sys.stdin.buffer.read())  # on stdin, never on a command line (`ps` would show it)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)  # the code reads nothing of ours
+    os.close(devnull)
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     try:
         _die_with_parent(cfg["parent"])

@@ -120,6 +120,24 @@ def _pool_base() -> int:
     return top - 2 - POOL_SIZE if top > 65536 else 65534 - 1 - POOL_SIZE
 
 
+def _private_dir(d: Path) -> Path:
+    """`d`, created as a directory of ours (mode 0700), or an OSError naming why it is not: another
+    user's folder, a symlink, or one others can write (who could swap its lock files for symlinks)."""
+    try:
+        os.mkdir(d, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(d)
+    import stat as _stat
+
+    if not _stat.S_ISDIR(st.st_mode):
+        raise OSError(f"{d} is not a directory of ours (a symlink or a file): remove it, or set TMPDIR")
+    if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise OSError(f"{d} belongs to uid {st.st_uid} with mode {oct(st.st_mode & 0o777)}, not to us with 0700: "
+                      "remove it, or set TMPDIR")
+    return d
+
+
 class _UidSlot:
     """A host uid of its own for one call (caller root only), held with an exclusive lock file."""
 
@@ -130,10 +148,11 @@ class _UidSlot:
     def __enter__(self) -> "_UidSlot":
         if os.geteuid() != 0:
             return self
-        d = Path(tempfile.gettempdir()) / "stare-sandbox-uids"
-        d.mkdir(mode=0o700, exist_ok=True)
+        d = _private_dir(Path(tempfile.gettempdir()) / "stare-sandbox-uids")
         for slot in range(POOL_SIZE):
-            f = open(d / f"{slot}.lock", "w")
+            # never through a symlink, never truncating: a lock file is only ever created or opened
+            fd = os.open(d / f"{slot}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            f = os.fdopen(fd, "r+")
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
@@ -212,8 +231,8 @@ def _run_isolated(code: str, limits: Limits, info: dict) -> Observation:
             cfg = {"parent": os.getpid(), "host_uid": slot.uid, "python": info["exe"], "ro_paths": info["ro_paths"],
                    "cpu_s": limits.cpu_s, "memory_mb": limits.memory_mb, "file_mb": limits.file_mb,
                    "nproc": limits.nproc, "code": code}
-            argv = [sys.executable, "-I", "-S", str(INIT), json.dumps(cfg)]
-            return _supervise(argv, None, limits, "namespaces", None)
+            argv = [sys.executable, "-I", "-S", str(INIT)]
+            return _supervise(argv, None, limits, "namespaces", None, stdin=json.dumps(cfg).encode())
     except OSError as e:
         return Observation(f"sandbox could not start: {e}", -1, "error", 0.0, "namespaces")
 
@@ -240,14 +259,28 @@ def _run_unisolated(code: str, limits: Limits) -> Observation:
 
 
 def _supervise(argv: list[str], preexec, limits: Limits, isolation: str, cwd: Optional[str],
-               env: Optional[dict] = None) -> Observation:
-    """Start `argv` in a new session, read its output up to the byte limit, kill its process group at
-    the end or at the wall-clock limit, and turn the result into an Observation."""
+               env: Optional[dict] = None, stdin: Optional[bytes] = None) -> Observation:
+    """Start `argv` in a new session (`stdin`: bytes it reads first, from a pipe, then end of file),
+    read its output up to the byte limit, kill its process group at the end or at the wall-clock
+    limit, and turn the result into an Observation."""
     t0 = time.monotonic()
     status = "ok"
     proc = subprocess.Popen(argv, cwd=cwd, env=env if env is not None else {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True, preexec_fn=preexec)
+                            stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=preexec)
+    if stdin is not None:  # from a thread: a large configuration must not block the output loop
+        def feed() -> None:
+            try:
+                proc.stdin.write(stdin)
+            except OSError:
+                pass  # the launcher died early: its status says why
+            finally:
+                try:
+                    proc.stdin.close()
+                except OSError:
+                    pass
+
+        threading.Thread(target=feed, daemon=True).start()
     out = bytearray()
     truncated = False
     os.set_blocking(proc.stdout.fileno(), False)

@@ -261,9 +261,11 @@ def _safetensors_problem(path: Path) -> str | None:
 
 
 def checkpoint_steps(run_dir: Path) -> list[Path]:
-    """The run's step-N checkpoint directories, newest first."""
+    """The run's step-N checkpoint directories (N digits only: a folder named step-zzz is not one, so
+    it never counts toward checkpoint.keep_last), newest first by step."""
     root = run_dir / "checkpoints"
-    return sorted((p for p in root.glob("step-*") if p.is_dir()), key=lambda p: p.name, reverse=True)
+    steps = [p for p in root.glob("step-*") if p.is_dir() and p.name[5:].isdigit()]
+    return sorted(steps, key=lambda p: int(p.name[5:]), reverse=True)
 
 
 def usable_checkpoint(run_dir: Path) -> tuple[Path | None, list[str]]:
