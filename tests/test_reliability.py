@@ -302,3 +302,61 @@ def test_a_junk_folder_named_like_a_checkpoint_never_counts_toward_keep_last(tmp
         checkpoints.save_checkpoint(tmp_path, step, model, tok, opt, sched, {"step": step, "cursor": 0}, keep_last=2)
     assert [p.name for p in checkpoint_steps(tmp_path)] == ["step-000010", "step-000009"]
     assert (tmp_path / "checkpoints" / "step-zzz").is_dir()  # not ours to delete either
+
+
+def test_a_checkpoint_whose_bytes_changed_is_named_and_skipped(cli, tmp_path, quick_toy):
+    """Zeroed tensor bytes (size and header intact) used to be resumed from without a word; a garbled
+    safetensors header gave `KeyError: 'data_offsets'`. Now the manifest's SHA-256 names the file."""
+    from stare_cli.core.runs import checkpoint_problem
+
+    run = _train_two_checkpoints(cli, tmp_path, quick_toy)
+    last = run / "checkpoints" / "step-000002" / "model.safetensors"
+    data = bytearray(last.read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    data[8 + n:8 + n + 4096] = bytes(4096)  # zero the first tensor bytes: size and header unchanged
+    last.write_bytes(bytes(data))
+    assert "SHA-256 mismatch" in checkpoint_problem(last.parent)
+    code, _, err = cli("eval", "--bench", "toy:arith", "--model", str(last.parent), "--limit", "2", "--workers", "0")
+    assert code == 1 and "the checkpoint is damaged" in err and len(err.strip().splitlines()) == 1
+    code, _, err = cli("train", "--resume", str(run), "-o", "optim.total_steps=3")  # redoes step 2 from step 1
+    assert code == 0 and "skipping checkpoint" in err and "SHA-256 mismatch" in err and "resuming from step-000001" in err
+    header = run / "checkpoints" / "step-000001" / "model.safetensors"
+    raw = bytearray(header.read_bytes())
+    n = int.from_bytes(raw[:8], "little")
+    garbled = raw[8:8 + n].replace(b"data_offsets", b"data_offsetz")
+    header.write_bytes(bytes(raw[:8]) + bytes(garbled) + bytes(raw[8 + n:]))
+    assert "model.safetensors" in checkpoint_problem(header.parent)  # named, not a KeyError
+
+
+def _train_two_checkpoints(cli, tmp_path, model) -> Path:
+    code, out, err = cli("train", "--recipe", "tiny/arith", "--method", "grpo", "--out", str(tmp_path / "runs"),
+                         "-o", f"model.path={model}", "-o", "optim.total_steps=2", "-o", "checkpoint.every=1",
+                         "-o", "checkpoint.keep_last=3", "-o", "eval.benchmarks=[]", "-o", "rollout.n=4",
+                         "-o", "optim.train_batch_size=2", "-o", "rollout.gen_batch_size=2",
+                         "-o", "optim.mini_batch_size=2", "-o", "optim.micro_batch_size=8",
+                         "-o", "rollout.max_response_tokens=24", "-o", "method.dynamic_sampling=false")
+    assert code == 0, err
+    return Path(out.strip().splitlines()[-1])
+
+
+def test_two_writers_of_one_evaluation_folder_or_sweep_the_second_is_refused(cli, tmp_path):
+    from stare_cli.core.runs import hold_run_lock
+
+    bench = tmp_path / "ev" / "toy-arith"
+    held = hold_run_lock(bench, "evaluated")  # as a first `stare eval` would, while it runs
+    try:
+        code, _, err = cli("eval", "--bench", "toy:arith", "--model", "toy:arith", "--limit", "2", "-n", "1",
+                           "--out", str(tmp_path / "ev"), "--workers", "0")
+        assert code == 1 and f"{bench} is being evaluated by another process (pid {os.getpid()})" in err
+    finally:
+        held.close()
+    code, _, err = cli("eval", "--bench", "toy:arith", "--model", "toy:arith", "--limit", "2", "-n", "1",
+                       "--out", str(tmp_path / "ev"), "--workers", "0")
+    assert code == 0, err
+    sweep_dir = tmp_path / "sw"
+    held = hold_run_lock(sweep_dir, "swept")
+    try:
+        code, _, err = cli("sweep", "-r", "tiny/arith", "-m", "grpo", "-s", "1", "--out", str(sweep_dir))
+        assert code == 1 and f"{sweep_dir} is being swept by another process" in err
+    finally:
+        held.close()

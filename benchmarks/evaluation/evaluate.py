@@ -16,6 +16,7 @@ loads (`check_inputs`).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import sys
@@ -31,7 +32,8 @@ from benchmarks.evaluation.metrics import REFLECTION_WORDS, benchmark_metrics, r
 from benchmarks.data.registry import BENCHMARKS, dir_name, load_benchmark
 from benchmarks.generation.templates import build_prompt
 from stare_cli.core.errors import StareError
-from stare_cli.core.runs import atomic_write_text, environment_summary, read_jsonl
+from stare_cli.core.runs import (MANIFEST, atomic_write_text, checkpoint_problem, environment_summary, hold_run_lock,
+                                 read_jsonl)
 
 CHUNK = 8  # problems per generation call; fixed so resumed runs sample identically
 SAMPLE_FIELDS = ("key", "idx", "sample", "response", "gold", "finished")  # what every samples.jsonl row holds
@@ -213,7 +215,16 @@ def evaluate_benchmark(engine, tokenizer, s: EvalSettings, out_dir: Path, grader
     if s.data is None:
         s = replace(s, data=data_digest(rows))
     data = data_record(s.bench, rows, s.data, data_file)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    lock = hold_run_lock(out_dir, "evaluated")  # a second writer of this folder is refused by name
+    try:
+        return _evaluate_locked(engine, tokenizer, s, out_dir, grader, rows, data, words, use_chat_template,
+                                progress, tools)
+    finally:
+        lock.close()
+
+
+def _evaluate_locked(engine, tokenizer, s: EvalSettings, out_dir: Path, grader: Grader, rows: list[dict], data: dict,
+                     words, use_chat_template: bool, progress, tools) -> dict:
     samples_path = out_dir / "samples.jsonl"
     key = s.key()
     done: dict[tuple[int, int], dict] = {}
@@ -281,17 +292,25 @@ def regrade(folder: Path, grader_name: str = "math-verify", workers: Optional[in
     out: dict[str, dict] = {}
     with Grader(workers=workers, name=grader_name) as grader:
         for bench_dir in benches:
-            rows = read_jsonl(bench_dir / "samples.jsonl", strict=True, torn_last_ok=False,  # rewritten below
-                              required=SAMPLE_FIELDS)
-            settings = _settings_by_key(bench_dir)
-            for key in dict.fromkeys(r["key"] for r in rows):
-                if key not in settings:
-                    raise StareError(f"{bench_dir}: no results file records the settings of samples {key}",
-                                     hint="re-run `stare eval` with the same settings once")
-                mine = _grade_rows([r for r in rows if r["key"] == key], grader)
-                s, data = settings[key]
-                out[s.bench] = write_results(bench_dir, s, mine, grader, REFLECTION_WORDS, data)
-            atomic_write_text(bench_dir / "samples.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+            with contextlib.closing(hold_run_lock(bench_dir, "evaluated")):
+                out.update(_regrade_folder(bench_dir, grader))
+    return out
+
+
+def _regrade_folder(bench_dir: Path, grader: Grader) -> dict[str, dict]:
+    """One benchmark folder's samples graded by `grader` (the caller holds its lock)."""
+    out: dict[str, dict] = {}
+    rows = read_jsonl(bench_dir / "samples.jsonl", strict=True, torn_last_ok=False,  # rewritten below
+                      required=SAMPLE_FIELDS)
+    settings = _settings_by_key(bench_dir)
+    for key in dict.fromkeys(r["key"] for r in rows):
+        if key not in settings:
+            raise StareError(f"{bench_dir}: no results file records the settings of samples {key}",
+                             hint="re-run `stare eval` with the same settings once")
+        mine = _grade_rows([r for r in rows if r["key"] == key], grader)
+        s, data = settings[key]
+        out[s.bench] = write_results(bench_dir, s, mine, grader, REFLECTION_WORDS, data)
+    atomic_write_text(bench_dir / "samples.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
     return out
 
 
@@ -413,6 +432,11 @@ def run_eval(model: str, benches: list[str], engine_name: str = "auto", n: Optio
         out = (run_dir / "eval" / Path(path).name) if run_dir else Path("evals") / path.strip("/").replace("/", "__")
     data = check_inputs(benches, limit, data_file, out)  # before the model loads
     check_model_path(model, path)
+    if (Path(path) / MANIFEST).exists():  # a training checkpoint: verified by content before it loads
+        problem = checkpoint_problem(Path(path))
+        if problem:
+            raise StareError(f"--model {model}: the checkpoint is damaged: {problem}",
+                             hint="evaluate an earlier checkpoint (checkpoints/step-N)")
     if engine_name == "auto":
         engine_name = _auto_engine()
     print(f"stare eval: loading {path} ({engine_name} engine)", file=sys.stderr, flush=True)

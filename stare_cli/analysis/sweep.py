@@ -39,7 +39,7 @@ from typing import Optional, TextIO
 
 from stare_cli.core.errors import Interrupted, StareError, UsageError
 from stare_cli.analysis.plots import plot_evals_over_training
-from stare_cli.core.runs import atomic_write_text, read_jsonl, run_finished
+from stare_cli.core.runs import atomic_write_text, hold_run_lock, read_jsonl, run_finished
 
 MANIFEST = "sweep.json"
 
@@ -208,6 +208,15 @@ def run_sweep(spec: SweepSpec, out: Optional[Path] = None, parallel: Optional[in
     parallel = 1 if verl else (parallel or max(1, (os.cpu_count() or 1) // threads))
     out = Path(out) if out is not None else spec.default_dir()
     (out / "logs").mkdir(parents=True, exist_ok=True)
+    lock = hold_run_lock(out, "swept")  # the same sweep started twice on one folder: the second refused
+    try:
+        return _run_sweep_locked(spec, out, parallel, threads, emit_script, shared_dir, paper, stream)
+    finally:
+        lock.close()
+
+
+def _run_sweep_locked(spec: SweepSpec, out: Path, parallel: int, threads: int, emit_script: Optional[Path],
+                      shared_dir: Optional[Path], paper: Optional[str], stream: Optional[TextIO]) -> SweepResult:
     cells = _load_manifest(out, spec)
     log = _Log(out / "sweep.log", stream or sys.stderr)
     try:

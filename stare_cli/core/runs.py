@@ -19,6 +19,7 @@ refuses (with `--restart` as the way out) when there is none.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -206,29 +207,43 @@ MANIFEST = "manifest.json"
 STATE = "state.json"
 
 
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def write_manifest(ckpt: Path) -> None:
-    """Record the size of every file of a finished checkpoint directory (written last, fsynced)."""
-    files = {str(p.relative_to(ckpt)): p.stat().st_size for p in sorted(ckpt.rglob("*")) if p.is_file()}
+    """Record the size and SHA-256 of every file of a finished checkpoint directory (written last,
+    fsynced). Hashing reads each file once more (~1 s per GB here)."""
+    files = {str(p.relative_to(ckpt)): {"size": p.stat().st_size, "sha256": file_sha256(p)}
+             for p in sorted(ckpt.rglob("*")) if p.is_file()}
     atomic_write_text(ckpt / MANIFEST, json.dumps({"files": files}, indent=1))
 
 
-def checkpoint_problem(ckpt: Path) -> str | None:
+def checkpoint_problem(ckpt: Path, content: bool = True) -> str | None:
     """Why `ckpt` cannot be resumed from (naming the file), or None when it is intact: the manifest
-    exists and every file in it has its recorded size, `state.json` parses, and each safetensors file's
-    header parses and accounts for the file's length. Catches truncation and partial copies, not
-    bit flips inside tensor data (no checksums: hashing hundreds of GB per checkpoint costs minutes)."""
+    exists and every file in it has its recorded size and (with `content`) SHA-256, `state.json`
+    parses, and each safetensors file's header parses and accounts for the file's length. Catches
+    truncation, partial copies and changed bytes (zeroed tensors, bit flips). Manifests written before
+    hashes were recorded are checked by size only."""
     if not ckpt.is_dir():
         return f"{ckpt}: missing"
     try:
         files = json.loads((ckpt / MANIFEST).read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError):
         return f"{ckpt / MANIFEST}: missing or unreadable (the checkpoint was never finished)"
-    for name, size in files.items():
+    for name, rec in files.items():
         f = ckpt / name
+        size, digest = (rec.get("size"), rec.get("sha256")) if isinstance(rec, dict) else (rec, None)
         if not f.is_file():
             return f"{f}: missing"
         if f.stat().st_size != size:
             return f"{f}: {f.stat().st_size} bytes, {size} when written (truncated or replaced)"
+        if content and digest and file_sha256(f) != digest:
+            return f"{f}: content differs from when it was written (SHA-256 mismatch: corrupted or replaced)"
     try:
         state = json.loads((ckpt / STATE).read_text())
         if not isinstance(state, dict) or not isinstance(state.get("step"), int):
@@ -252,9 +267,9 @@ def _safetensors_problem(path: Path) -> str | None:
             if n <= 0 or 8 + n > size:
                 return "incomplete header"
             header = json.loads(f.read(n))
-    except (OSError, ValueError, UnicodeDecodeError):
+        ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+    except (OSError, ValueError, UnicodeDecodeError, KeyError, TypeError, IndexError, AttributeError):
         return "unreadable header"
-    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)]
     if 8 + n + max(ends, default=0) != size:
         return f"{size} bytes, the header needs {8 + n + max(ends, default=0)} (truncated)"
     return None
@@ -298,13 +313,15 @@ def clean_stale_temporaries(run_dir: Path) -> list[Path]:
     return gone
 
 
-def hold_run_lock(run_dir: Path):
+def hold_run_lock(run_dir: Path, doing: str = "trained"):
     """An exclusive lock on `run_dir` for as long as the returned file stays open (the process's
-    lifetime at most): two trainers never write one run directory. Raises StareError when held."""
+    lifetime at most): two trainers never write one run directory, two evaluations or sweeps never one
+    output folder. Raises StareError naming the holder when held. `doing`: what the holder does there."""
     import fcntl
 
     from stare_cli.core.errors import StareError
 
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
     f = open(run_dir / ".lock", "a+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -312,7 +329,7 @@ def hold_run_lock(run_dir: Path):
         f.seek(0)
         holder = f.read().strip() or "?"
         f.close()
-        raise StareError(f"{run_dir} is being trained by another process (pid {holder})",
+        raise StareError(f"{run_dir} is being {doing} by another process (pid {holder})",
                          hint="wait for it to finish, or stop it first") from None
     f.seek(0)
     f.truncate()
