@@ -184,6 +184,12 @@ class Template(str, Enum):
     short = "short"
 
 
+class EvalDtype(str, Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
 class Harness(str, Enum):
     native = "native"
     lm_eval = "lm-eval"
@@ -219,6 +225,8 @@ def eval_cmd(
     unsafe_no_sandbox: Annotated[bool, typer.Option(
         "--unsafe-no-sandbox", help="With --tools: run model-written code WITHOUT isolation (resource limits only). "
                                     "Only for code you trust, where user namespaces are unavailable.")] = False,
+    dtype: Annotated[Optional[EvalDtype], typer.Option(help="Weights and compute dtype of the engine (auto: the checkpoint's "
+                                              "for hf, bfloat16 for vllm).")] = None,
     tensor_parallel: Annotated[int, typer.Option(min=1, help="vLLM tensor parallel size.")] = 1,
     gpu_memory_utilization: Annotated[float, typer.Option(min=0.05, max=1.0, help="vLLM share of GPU memory.")] = 0.85,
     regrade: Annotated[
@@ -256,7 +264,8 @@ def eval_cmd(
     check_grader(grader)  # before any model loads
     results = run_eval(model, bench, engine.value, n, limit, out, template.value if template else None, temperature,
                        top_p, max_tokens,
-                       seed, data_file, base_url, workers, tools=tools, grader=grader, wandb_mode=wandb,
+                       seed, data_file, base_url, workers, dtype=dtype.value if dtype else "auto", tools=tools,
+                       grader=grader, wandb_mode=wandb,
                        unsafe_no_sandbox=unsafe_no_sandbox,
                        vllm_kwargs={"tensor_parallel_size": tensor_parallel, "gpu_memory_utilization": gpu_memory_utilization})
     _print_eval({b: r["metrics"] for b, r in results.items()}, f"stare eval: {model} ({grader})", as_json)

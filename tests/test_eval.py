@@ -399,12 +399,13 @@ def test_every_generation_setting_enters_the_key_and_tool_less_keys_stay_stable(
                         max_tokens=100, seed=0, engine="hf")
     changed = [replace(base, **{f: v}) for f, v in [("model", "m2"), ("bench", "amc23"), ("template", "plain"),
                ("n", 8), ("temperature", 0.6), ("top_p", 1.0), ("max_tokens", 50), ("seed", 1),
-               ("engine", "vllm"), ("limit", 3), ("tools", "python"), ("data", "0" * 64)]]
+               ("engine", "vllm"), ("limit", 3), ("tools", "python"), ("data", "0" * 64),
+               ("dtype", "float32")]]
     assert len({base.key(), *(c.key() for c in changed)}) == 1 + len(changed)
     # the key of a setting without tools or a data digest is the hash of the fields that existed before them
     import hashlib
     import json as _json
-    old = {k: v for k, v in base.__dict__.items() if k not in ("tools", "data")}
+    old = {k: v for k, v in base.__dict__.items() if k not in ("tools", "data", "dtype")}
     assert base.key() == hashlib.sha256(_json.dumps(old, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -53,12 +53,13 @@ class EvalSettings:
     limit: Optional[int] = None
     tools: Optional[str] = None  # the tool the model may call ("python"), or None
     data: Optional[str] = None  # SHA-256 of the problems and golds evaluated (`data_digest`)
+    dtype: Optional[str] = None  # the engine's dtype when chosen (--dtype); None: the engine's default
 
     def key(self) -> str:
         """A hash of every generation setting and of the data: samples of different settings or data
-        never mix (another file, or a corrected gold, gets samples of its own). (`tools` and `data`
-        enter only when set.)"""
-        fields = {k: v for k, v in asdict(self).items() if not (k in ("tools", "data") and v is None)}
+        never mix (another file, or a corrected gold, gets samples of its own). (`tools`, `data` and
+        `dtype` enter only when set.)"""
+        fields = {k: v for k, v in asdict(self).items() if not (k in ("tools", "data", "dtype") and v is None)}
         blob = json.dumps(fields, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -452,7 +453,8 @@ def run_eval(model: str, benches: list[str], engine_name: str = "auto", n: Optio
                 s = EvalSettings(model=path, bench=b, template=template or spec.template, n=n or spec.n,
                                  temperature=spec.temperature if temperature is None else temperature,
                                  top_p=spec.top_p if top_p is None else top_p, max_tokens=max_tokens or spec.max_tokens,
-                                 seed=seed, engine=engine_name, limit=limit, tools=tools)
+                                 seed=seed, engine=engine_name, limit=limit, tools=tools,
+                                 dtype=None if dtype == "auto" else dtype)
                 results[b] = evaluate_benchmark(engine, tok, s, out / dir_name(b), grading, data_file=data_file, progress=prog,
                                                 tools=tool_spec, rows=data[b])
                 if not console.is_terminal:
@@ -505,7 +507,7 @@ def _make_engine(name: str, path: str, base_url: Optional[str], device: str, bat
             tok = None  # the server applies no template; prompts are built without a chat template
         return OpenAIEngine(base_url, path), tok
     if name == "vllm":
-        e = VLLMEngine(path, **vllm_kwargs)
+        e = VLLMEngine(path, **({"dtype": dtype} if dtype != "auto" else {}), **vllm_kwargs)
         return e, e.tok
     import torch
     from transformers import AutoModelForCausalLM
