@@ -28,6 +28,7 @@ _ABORT = (click.exceptions.Abort, typer.Abort, KeyboardInterrupt)
 _CLICK = (click.exceptions.ClickException, _tce.ClickException)
 
 from stare_cli import __version__
+from stare_cli.core.config import MAX_GROUP, MAX_TOKENS
 from stare_cli.core.errors import Interrupted, StareError, UsageError
 
 app = typer.Typer(
@@ -204,7 +205,7 @@ def eval_cmd(
         Optional[str], typer.Option(help="Model directory, run directory or checkpoint, hub id, or toy:arith.")
     ] = None,
     engine: Annotated[Engine, typer.Option(help="Generation engine (auto: vLLM with a GPU, else HF).")] = Engine.auto,
-    n: Annotated[Optional[int], typer.Option("-n", min=1, help="Samples per problem (default: the paper's).")] = None,
+    n: Annotated[Optional[int], typer.Option("-n", min=1, max=MAX_GROUP, help="Samples per problem (default: the paper's).")] = None,
     limit: Annotated[Optional[int], typer.Option(min=1, help="Only the first K problems.")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Output directory (default: beside the run, or evals/).")] = None,
     template: Annotated[Optional[Template], typer.Option(
@@ -212,7 +213,7 @@ def eval_cmd(
              "words:add-sub).")] = None,
     temperature: Annotated[Optional[float], typer.Option(min=0.0, help="Default: the paper's 1.0.")] = None,
     top_p: Annotated[Optional[float], typer.Option(min=0.0, max=1.0, help="Default: the paper's 0.7.")] = None,
-    max_tokens: Annotated[Optional[int], typer.Option(min=1, help="Max new tokens (default 3072).")] = None,
+    max_tokens: Annotated[Optional[int], typer.Option(min=1, max=MAX_TOKENS, help="Max new tokens (default 3072).")] = None,
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
     data_file: Annotated[Optional[str], typer.Option(help="Local .jsonl (problem, answer) for a single --bench.")] = None,
     base_url: Annotated[Optional[str], typer.Option(help="OpenAI-compatible endpoint for --engine openai.")] = None,
@@ -607,7 +608,7 @@ def sweep(
     """A methods x seeds grid under one recipe: resumable (run it again), then the table and plots."""
     from stare_cli.analysis.sweep import SweepSpec, run_sweep
 
-    spec = SweepSpec(recipe=recipe, methods=tuple(dict.fromkeys(method)), seeds=tuple(dict.fromkeys(seed)),
+    spec = SweepSpec(recipe=recipe, methods=tuple(method), seeds=tuple(seed),
                      overrides=tuple(override or []), backend=backend.value if backend else None,
                      evals=tuple(eval_bench or []), eval_n=eval_n, eval_limit=eval_limit)
     res = run_sweep(spec, out, parallel, threads, emit_script, shared_dir, paper)

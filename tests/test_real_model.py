@@ -125,3 +125,21 @@ def test_evaluation_of_four_problems_on_the_hf_engine(cli, tmp_path, smollm2):
     rows = [json.loads(x) for x in (tmp_path / "ev" / "math500" / "samples.jsonl").read_text().splitlines()]
     assert len(rows) == 4 and all(r["length"] > 0 and r["grader"].startswith("math-verify@") for r in rows)
     assert all("<|im_start|>assistant\n" in r["prompt"] for r in rows)  # the model's own chat template
+
+
+def test_the_verl_backend_resolves_the_short_name_to_the_converted_folder(cli, tmp_path, smollm2):
+    """verl gets a folder, never the short name (which its HFModelConfig would look up on the hub, as
+    it did before the fix); on a cluster, a copy under the shared directory."""
+    shared = tmp_path / "shared"
+    data = shared / "data" / "small-smollm2-135m-words"
+    code, _, err = cli("data", "prepare", "--recipe", "small/smollm2-135m-words", "--out", str(data), "--limit", "16",
+                       "-o", "eval.limit=4")
+    assert code == 0, err
+    script = tmp_path / "job.sh"
+    code, _, err = cli("train", "--recipe", "small/smollm2-135m-words", "--method", "stare-o1", "--backend", "verl",
+                       "--shared-dir", str(shared), "--emit-script", str(script), "-o", "rollout.refill=per_group")
+    assert code == 0, err
+    copy = shared / "models" / smollm2.name
+    assert (copy / "model.safetensors").exists()
+    text = script.read_text()
+    assert f"actor_rollout_ref.model.path={copy}" in text and "model.path=smollm2-135m" not in text

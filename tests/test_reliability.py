@@ -360,3 +360,64 @@ def test_two_writers_of_one_evaluation_folder_or_sweep_the_second_is_refused(cli
         assert code == 1 and f"{sweep_dir} is being swept by another process" in err
     finally:
         held.close()
+
+
+# ------------------------------------------------------------------ inputs that hung or passed (issue 31, items 4-5)
+def _alias_bomb(levels: int = 8) -> str:
+    """8 levels of 8 aliases: 8^9 = 134M values once expanded, ~600 bytes written."""
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 8) + "]" for i in range(1, levels + 1)]
+    return "\n".join(lines) + "\n"
+
+
+def test_a_yaml_alias_bomb_fails_at_once_with_its_line(cli, tmp_path):
+    # before the check, `stare recipes show` on this file ran until killed (60 s here)
+    arith = REPO / "recipes" / "tiny" / "arith.yaml"
+    f = tmp_path / "bomb.yaml"
+    f.write_text(f"include: {arith}\n" + _alias_bomb().replace("a8: &a8", "description:"))
+    t = time.monotonic()
+    code, _, err = cli("recipes", "show", str(f))
+    assert code == 1 and "YAML aliases expand to" in err and f"{f}:" in err and len(err.strip().splitlines()) == 1
+    code, _, err = cli("recipes", "show", "tiny/arith", "-o", "description=" + _alias_bomb(6))  # 8^7 values
+    assert code == 2 and "override 'description'" in err and "YAML aliases expand to" in err
+    assert time.monotonic() - t < 20
+    small = tmp_path / "small.yaml"  # aliases that expand to little still load
+    small.write_text(f"include: {arith}\ndescription: &d a toy\nlogging: {{run_name: *d}}\n")
+    code, out, err = cli("recipes", "show", str(small))
+    assert code == 0 and "aliases" not in err
+
+
+@pytest.mark.parametrize("override, key", [
+    ("optim.grad_clip=.inf", "optim.grad_clip"),
+    ("optim.weight_decay=.nan", "optim.weight_decay"),
+    ("optim.total_steps=100000000000000000000000000000", "optim.total_steps"),
+    ("rollout.n=999999999999", "rollout.n"),
+    ("rollout.max_response_tokens=1000000000000", "rollout.max_response_tokens"),
+    ("rollout.gen_batch_size=1000000000000", "rollout.gen_batch_size"),  # hung before: drew 10^12 prompts
+    ("eval.max_tokens=1000000000000", "eval.max_tokens"),
+])
+def test_values_no_run_can_use_are_refused_by_key(cli, override, key):
+    code, _, err = cli("recipes", "show", "tiny/arith", "-o", override)
+    assert code == 1 and key in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_eval_max_tokens_and_n_have_ceilings(cli):
+    code, _, err = cli("eval", "--bench", "toy:arith", "--model", "toy:arith", "--max-tokens", "1000000000000")
+    assert code == 2 and "--max-tokens" in err
+    code, _, err = cli("eval", "--bench", "toy:arith", "--model", "toy:arith", "-n", "999999999")
+    assert code == 2 and "-n" in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--eval", "math5000"], "unknown benchmark 'math5000'"),  # hung before: the cells trained, the sweep never ended
+    (["-s", "2"], "--seed 1 given more than once"),
+    (["-m", "grpo-ds"], "--method grpo-ds given more than once"),
+])
+def test_a_sweep_refuses_bad_arguments_before_any_cell_runs(cli, tmp_path, args, message):
+    out = tmp_path / "sw"
+    base = ["sweep", "--recipe", "tiny/arith", "-m", "grpo-ds", "-s", "1", "--out", str(out)]
+    if args[0] == "-s":
+        args = ["-s", "1"]
+    code, _, err = cli(*base, *args)
+    assert code in (1, 2) and message in err, err
+    assert not (out / "cells").exists()

@@ -326,6 +326,22 @@ class HFEngine:
         return tool_rollouts(self.tok, prompt_ids, sp, spec, turn)
 
 
+def _refresh_cpu_gemm_handles(model) -> None:
+    """vLLM's CPU backend multiplies through a handle made from a layer's weight when it is loaded
+    (`cpu_linear`: oneDNN or packed). A tied LM head is never reloaded by name (vLLM skips `lm_head.`
+    when the embeddings are tied), so after a weight push its handle still held the old embedding:
+    SmolLM2's vLLM log-probs then differed from the pushed weights' by up to 0.23 nats. Layers that
+    keep their weight beside the handle (embeddings, LM heads) get a handle from the current weight;
+    linear layers drop theirs and are re-made by the reload itself. Nothing to do on a GPU."""
+    import torch
+
+    for module in model.modules():
+        method, weight = getattr(module, "quant_method", None), getattr(module, "weight", None)
+        if (hasattr(module, "cpu_linear") and hasattr(method, "process_weights_after_loading")
+                and isinstance(weight, torch.Tensor) and weight.numel() > 0):
+            method.process_weights_after_loading(module)
+
+
 class VLLMEngine:
     """vLLM's offline engine (imported lazily; needs the vllm extra, normally a GPU).
 
@@ -401,6 +417,7 @@ class VLLMEngine:
             worker.reload_weights(weights_iterator=iter(weights))
         else:
             worker.model_runner.model.load_weights(weights)
+        _refresh_cpu_gemm_handles(worker.model_runner.model)
         reset = getattr(self.llm, "reset_prefix_cache", None)
         if reset is not None:
             reset()

@@ -197,6 +197,15 @@ def run_sweep(spec: SweepSpec, out: Optional[Path] = None, parallel: Optional[in
 
     if not spec.methods or not spec.seeds:
         raise UsageError("a sweep needs at least one --method and one --seed")
+    for flag, values in (("--method", spec.methods), ("--seed", spec.seeds)):
+        twice = [str(v) for v in dict.fromkeys(values) if list(values).count(v) > 1]
+        if twice:  # one cell each: a repeat would be silently merged
+            raise UsageError(f"{flag} {', '.join(twice)} given more than once", hint=f"name each {flag[2:]} once")
+    if spec.evals:  # an unknown benchmark fails now, not after every cell has trained
+        from benchmarks.data.registry import check_benchmark, expand
+
+        for b in expand(list(spec.evals)):
+            check_benchmark(b)
     verl = spec.backend == "verl"
     if verl and parallel not in (None, 1) and emit_script is None:
         raise UsageError("the verl backend runs a sweep's cells one after another", hint="drop --parallel")

@@ -84,15 +84,22 @@ class ToolsConfig(_Strict):
                                             "without user namespaces.")
 
 
+# Ceilings no real run approaches, so that a typo (10**12) fails at once instead of hanging: no model's
+# context holds a million tokens of one row, no group or batch needs a million rows on one trainer.
+MAX_TOKENS = 1_048_576
+MAX_GROUP = 4096
+MAX_BATCH = 1_000_000
+
+
 class RolloutConfig(_Strict):
-    n: StrictInt = Field(8, ge=1, description="Responses sampled per prompt (the GRPO group size).")
+    n: StrictInt = Field(8, ge=1, le=MAX_GROUP, description="Responses sampled per prompt (the GRPO group size).")
     temperature: StrictFloat = Field(1.0, gt=0, le=10, description="Sampling temperature.")
     top_p: StrictFloat = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     top_k: StrictInt = Field(-1, ge=-1, description="Top-k sampling; -1 disables it.")
-    max_prompt_tokens: StrictInt = Field(1024, ge=1, description="Prompts longer than this are left-truncated.")
-    max_response_tokens: StrictInt = Field(3072, ge=1, description="Generation stops here (then 'truncated').")
+    max_prompt_tokens: StrictInt = Field(1024, ge=1, le=MAX_TOKENS, description="Prompts longer than this are left-truncated.")
+    max_response_tokens: StrictInt = Field(3072, ge=1, le=MAX_TOKENS, description="Generation stops here (then 'truncated').")
     gen_batch_size: StrictInt = Field(
-        64, ge=1, description="Prompts drawn per generation batch with dynamic sampling (several may be drawn); "
+        64, ge=1, le=MAX_BATCH, description="Prompts drawn per generation batch with dynamic sampling (several may be drawn); "
         "without it a step draws optim.train_batch_size prompts."
     )
     refill: Literal["gen_batches", "per_group"] = Field(
@@ -102,7 +109,7 @@ class RolloutConfig(_Strict):
         "(verl 0.9's V1 replay buffer; gen_batch_size, max_gen_batches and on_short_batch unused)."
     )
     max_gen_batches: StrictInt = Field(
-        10, ge=1, description="At most this many generation batches per step when dynamic sampling."
+        10, ge=1, le=10_000, description="At most this many generation batches per step when dynamic sampling."
     )
     on_short_batch: Literal["error", "train"] = Field(
         "error", description="When max_gen_batches generation batches still leave the train batch short of kept "
@@ -125,10 +132,10 @@ class OptimConfig(_Strict):
     lr: StrictFloat = Field(1e-6, gt=0, le=1, description="Peak learning rate (AdamW).")
     schedule: Literal["constant", "cosine", "linear"] = Field("constant", description="LR schedule after warmup.")
     warmup_steps: StrictInt = Field(0, ge=0, description="Linear warmup steps.")
-    weight_decay: StrictFloat = Field(0.01, ge=0, description="AdamW weight decay.")
-    grad_clip: StrictFloat = Field(1.0, gt=0, description="Max global gradient norm.")
-    train_batch_size: StrictInt = Field(64, ge=1, description="Prompts per training step (after dynamic sampling).")
-    mini_batch_size: StrictInt = Field(64, ge=1, description="Prompts per optimizer update (PPO mini-batch).")
+    weight_decay: StrictFloat = Field(0.01, ge=0, allow_inf_nan=False, description="AdamW weight decay.")
+    grad_clip: StrictFloat = Field(1.0, gt=0, allow_inf_nan=False, description="Max global gradient norm.")
+    train_batch_size: StrictInt = Field(64, ge=1, le=MAX_BATCH, description="Prompts per training step (after dynamic sampling).")
+    mini_batch_size: StrictInt = Field(64, ge=1, le=MAX_BATCH, description="Prompts per optimizer update (PPO mini-batch).")
     micro_batch_size: StrictInt = Field(
         8, ge=1, description="Responses per forward/backward (accumulation) when micro_batch_tokens is not set.")
     micro_batch_tokens: Optional[StrictInt] = Field(
@@ -136,7 +143,7 @@ class OptimConfig(_Strict):
         "batch size (official runs: 8192): as few micro-batches as fit, rows balanced by workload. STARE's official "
         "scope selects per such micro-batch. None: micro_batch_size responses per micro-batch.")
     ppo_epochs: StrictInt = Field(1, ge=1, description="Passes over each training batch.")
-    total_steps: StrictInt = Field(500, ge=1, description="Training steps.")
+    total_steps: StrictInt = Field(500, ge=1, le=10_000_000, description="Training steps.")
     seed: StrictInt = Field(1, ge=0, description="Seed for data order, sampling and init.")
     precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Autocast precision for training.")
 
@@ -246,10 +253,10 @@ class RewardConfig(_Strict):
 
 class EvalConfig(_Strict):
     benchmarks: list[str] = Field(default_factory=list, description="Benchmarks evaluated during training.")
-    n: Optional[StrictInt] = Field(None, ge=1, description="Samples per problem (None: each benchmark's paper protocol).")
+    n: Optional[StrictInt] = Field(None, ge=1, le=MAX_GROUP, description="Samples per problem (None: each benchmark's paper protocol).")
     temperature: Optional[StrictFloat] = Field(None, gt=0, description="Sampling temperature (None: each benchmark's protocol; paper 1.0).")
     top_p: Optional[StrictFloat] = Field(None, gt=0, le=1, description="Nucleus mass (None: each benchmark's protocol; paper 0.7).")
-    max_tokens: Optional[StrictInt] = Field(None, ge=1, description="Max new tokens (None: rollout.max_response_tokens).")
+    max_tokens: Optional[StrictInt] = Field(None, ge=1, le=MAX_TOKENS, description="Max new tokens (None: rollout.max_response_tokens).")
     every: StrictInt = Field(0, ge=0, description="Evaluate every k steps (0: only at the end).")
     limit: Optional[StrictInt] = Field(None, ge=1, description="Evaluate only the first K problems of each benchmark.")
 

@@ -100,6 +100,40 @@ RecipeLoader.add_implicit_resolver(
 )
 
 
+MAX_YAML_VALUES = 100_000  # a recipe holds a few hundred; aliases past this are a "billion laughs" file
+
+
+def _check_alias_expansion(text: str, where: str) -> None:
+    """Refuse YAML whose aliases expand past MAX_YAML_VALUES values (8 levels of 8 aliases: 8^9),
+    naming the line of the first top-level key that does, before anything expands it."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return  # the loader names the syntax error
+    sizes: dict[int, int] = {}
+
+    def size(node: Any) -> int:
+        if id(node) in sizes:
+            return sizes[id(node)]
+        sizes[id(node)] = 1  # a recursive alias counts once
+        if isinstance(node, yaml.MappingNode):
+            n = 1 + sum(size(k) + size(v) for k, v in node.value)
+        elif isinstance(node, yaml.SequenceNode):
+            n = 1 + sum(size(c) for c in node.value)
+        else:
+            n = 1
+        sizes[id(node)] = n
+        return n
+
+    if root is None or size(root) <= MAX_YAML_VALUES:
+        return
+    line = root.start_mark.line + 1
+    if isinstance(root, yaml.MappingNode):
+        line = next((k.start_mark.line + 1 for k, v in root.value if size(v) > MAX_YAML_VALUES // 10), line)
+    raise StareError(f"{where}:{line}: YAML aliases expand to {size(root):,} values (at most {MAX_YAML_VALUES:,})",
+                     hint="write the values out, or nest fewer aliases")
+
+
 def _compose_lines(text: str) -> dict[tuple, int]:
     """Line (1-based) of every key path in a YAML document."""
     lines: dict[tuple, int] = {}
@@ -167,6 +201,7 @@ def _load_file(path: Path, layered: Layered, stack: tuple[Path, ...]) -> None:
     except UnicodeDecodeError as e:
         line = path.read_bytes()[: e.start].count(b"\n") + 1
         raise StareError(f"{_display(path)}:{line}: not UTF-8 text", hint="save the recipe as UTF-8") from None
+    _check_alias_expansion(text, _display(path))
     try:
         data = yaml.load(text, Loader=RecipeLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as e:
@@ -212,6 +247,10 @@ def parse_override(text: str) -> tuple[tuple, Any]:
     key = key.strip()
     if not key or any(not part for part in key.split(".")):
         raise UsageError(f"override '{text}' has an empty key", hint="e.g. -o optim.lr=2e-6")
+    try:
+        _check_alias_expansion(raw, f"override '{key}'")
+    except StareError as e:
+        raise UsageError(e.args[0].replace(":1:", ":", 1), hint=e.hint) from None
     try:
         value = yaml.load(raw, Loader=RecipeLoader) if raw.strip() else ""  # noqa: S506 - safe subclass
     except yaml.YAMLError:
