@@ -335,6 +335,8 @@ def _refresh_cpu_gemm_handles(model) -> None:
     linear layers drop theirs and are re-made by the reload itself. Nothing to do on a GPU."""
     import torch
 
+    if not isinstance(model, torch.nn.Module):
+        return
     for module in model.modules():
         method, weight = getattr(module, "quant_method", None), getattr(module, "weight", None)
         if (hasattr(module, "cpu_linear") and hasattr(method, "process_weights_after_loading")
