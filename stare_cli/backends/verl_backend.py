@@ -553,10 +553,11 @@ def run(cfg: Recipe, out_root: Path, dry_run: bool = False, emit_script: Optiona
         shared = Path(cfg.backend.verl.shared_dir)
         out_root = shared / "runs"
         data_dir = data_dir or shared / "data" / cfg.name.replace("/", "-")
-    from benchmarks.data.models import MODELS, resolve_model_path
+    from benchmarks.data.models import resolve_model_path
 
-    if cfg.model.path.startswith("toy:") or cfg.model.path in MODELS:  # a toy or short name: verl needs a folder
-        path = Path(resolve_model_path(cfg.model.path))  # (on a cluster: a copy under the shared dir)
+    resolved = resolve_model_path(cfg.model.path)  # a toy or short name: verl needs the folder
+    if resolved != cfg.model.path:  # (on a cluster: a copy under the shared dir)
+        path = Path(resolved)
         if shared is not None:
             import shutil
 
