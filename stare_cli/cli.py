@@ -376,8 +376,8 @@ def compare(
 
     from stare_cli.analysis import compare as C
 
-    if metric != "avg" and not re.fullmatch(r"(pass|maj)@\d+", metric):
-        raise UsageError(f"unknown metric '{metric}'", hint="avg, pass@k or maj@k (k a number)")
+    if metric != "avg" and not re.fullmatch(r"(pass|maj)@[1-9]\d{0,3}", metric):
+        raise UsageError(f"unknown metric '{metric}'", hint="avg, pass@k or maj@k (k from 1 to the samples per problem)")
     results = C.load_inputs(runs)
     cols = C.columns(results, with_paper=paper is not None)
     rows, info = C.build_rows(results, metric, cols)

@@ -421,3 +421,73 @@ def test_a_sweep_refuses_bad_arguments_before_any_cell_runs(cli, tmp_path, args,
     code, _, err = cli(*base, *args)
     assert code in (1, 2) and message in err, err
     assert not (out / "cells").exists()
+
+
+# ---------------------------------------------------- issue 31, item 5: inputs accepted silently before
+def test_a_group_of_one_is_refused_by_key(cli):
+    """rollout.n=1 trained before with every advantage 0: (r - mean r) over one response is 0."""
+    code, _, err = cli("recipes", "show", "tiny/arith", "-o", "rollout.n=1")
+    assert code == 1 and "rollout.n" in err and "group of 1" in err and len(err.strip().splitlines()) == 1, err
+    code, _, err = cli("recipes", "show", "tiny/arith", "-o", "rollout.n=2", "-o", "optim.micro_batch_size=32")
+    assert code == 0, err
+
+
+@pytest.mark.parametrize("name", ["../escape", "a/b", "..", ".", "a\\b", ""])
+def test_a_run_name_with_path_parts_is_refused(cli, name):
+    """verl puts logging.run_name into its checkpoint path (trainer.experiment_name): '../x' wrote
+    outside the run's folder before; it was accepted."""
+    for key in ("logging.run_name", "logging.project"):  # verl: checkpoints/<project>/<run_name>
+        code, _, err = cli("recipes", "show", "tiny/arith", "-o", f"{key}={name}")
+        assert code == 1 and key in err, err
+
+
+@pytest.mark.parametrize("answer, word", [("null", "null"), ('"  "', "empty")])
+def test_a_training_row_with_a_null_or_empty_answer_is_named(cli, tmp_path, quick_toy, answer, word):
+    """Before: the row trained as reward 0 on every response (answer 'None')."""
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"problem": "1+1=", "answer": "2"}\n' f'{{"problem": "2+2=", "answer": {answer}}}\n')
+    code, out, err = cli("train", "--recipe", "tiny/arith", "--method", "grpo-ds", "--out", str(tmp_path / "runs"),
+                         "-o", f"model.path={quick_toy}", "-o", f"data.train={data}", "-o", "optim.total_steps=1")
+    assert code == 1 and f"{data} row 2" in err and f"'answer' is {word}" in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_a_training_file_that_is_not_jsonl_is_named_with_its_line(cli, tmp_path, quick_toy):
+    """Before: the `datasets` library's error (no line); now our reader's file:line."""
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"problem": "1+1=", "answer": "2"}\n{"problem": \n')
+    code, _, err = cli("train", "--recipe", "tiny/arith", "--method", "grpo-ds", "--out", str(tmp_path / "runs"),
+                       "-o", f"model.path={quick_toy}", "-o", f"data.train={data}", "-o", "optim.total_steps=1")
+    assert code == 1 and f"{data}:2: not valid JSON" in err and len(err.strip().splitlines()) == 1, err
+    data.write_bytes(b'\xff{"problem": "1"}\n')
+    code, _, err = cli("train", "--recipe", "tiny/arith", "--method", "grpo-ds", "--out", str(tmp_path / "runs"),
+                       "-o", f"model.path={quick_toy}", "-o", f"data.train={data}", "-o", "optim.total_steps=1")
+    assert code == 1 and "not UTF-8" in err, err
+
+
+def test_a_data_file_with_a_generated_benchmark_is_refused(cli, tmp_path, quick_toy):
+    """Before: `--data-file` was ignored and the toy's own problems were evaluated under its name."""
+    data = tmp_path / "mine.jsonl"
+    data.write_text('{"problem": "1+1=", "answer": "2"}\n')
+    code, _, err = cli("eval", "--bench", "toy:arith", "--data-file", str(data), "--model", str(quick_toy),
+                       "--limit", "1", "--out", str(tmp_path / "ev"))
+    assert code == 1 and "toy:arith is generated" in err and str(data) in err, err
+    assert not (tmp_path / "ev" / "toy-arith").exists()
+
+
+@pytest.mark.parametrize("metric", ["pass@0", "maj@0", "pass@01", "pass@100000"])
+def test_compare_refuses_a_k_no_evaluation_has(cli, tmp_path, metric):
+    code, _, err = cli("compare", str(tmp_path), "--metric", metric)
+    assert code == 2 and f"unknown metric '{metric}'" in err, err
+
+
+def test_resuming_a_finished_run_says_so(cli, tmp_path, quick_toy):
+    """Before: exit 0, nothing on stderr, and the model loaded for nothing."""
+    run = _train(cli, tmp_path, quick_toy, "grpo-ds", "optim.total_steps=1", "method.dynamic_sampling=false")
+    before = (run / "metrics.jsonl").read_text()
+    code, out, err = cli("train", "--resume", str(run))
+    assert code == 0 and out.strip() == str(run)
+    assert "is finished" in err and "step-000001" in err and "optim.total_steps=N" in err, err
+    assert (run / "metrics.jsonl").read_text() == before
+    code, out, err = cli("train", "--resume", str(run), "-o", "optim.total_steps=2")  # and it can go on
+    assert code == 0 and "is finished" not in err and _steps(run) == [1, 2], err

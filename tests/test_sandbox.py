@@ -503,3 +503,74 @@ def test_the_code_is_on_no_command_line_and_large_code_runs():
     big = "# " + "x" * 200_000 + "\n" + "\n".join(f"v{i} = {i}" for i in range(5000)) + "\nprint(v4999)"
     o = run_python(big, Limits(cpu_s=10, wall_s=30, memory_mb=512))
     assert (o.status, o.text()) == ("ok", "4999")
+
+
+# ------------------------------------------------------------ issue 31: memory of the call as a whole
+_NO_GROUP = sandbox.memory_cgroup_problem()
+_SPLIT = textwrap.dedent("""
+    import os
+    kids = []
+    for i in range(4):  # 4 x 150 MB: each under the per-process address-space limit of 256 MB
+        pid = os.fork()
+        if pid == 0:
+            b = bytearray(150 * 2**20)
+            for j in range(0, len(b), 4096):
+                b[j] = 1
+            os._exit(0)
+        kids.append(pid)
+    print("ALL HELD" if all(os.waitpid(p, 0)[1] == 0 for p in kids) else "not all", flush=True)
+""")
+_MEMFD = textwrap.dedent("""
+    import os
+    fd, total = os.memfd_create("x"), 0  # shared memory: outside every process's address space
+    try:
+        for _ in range(400):
+            total += os.write(fd, b"x" * 2**20)
+    except OSError as e:
+        print("stopped:", e.strerror)
+    print("WROTE", total // 2**20, "MB", flush=True)
+""")
+_TMPFS = textwrap.dedent("""
+    total = 0
+    try:
+        with open("/tmp/big", "wb") as f:
+            for _ in range(400):
+                total += f.write(b"x" * 2**20)
+                f.flush()
+    except OSError as e:
+        print("stopped:", e.strerror)
+    print("WROTE", total // 2**20, "MB", flush=True)
+""")
+
+
+@pytest.mark.skipif(_NO_GROUP is not None, reason=f"no memory cgroup can be made here: {_NO_GROUP}")
+@pytest.mark.parametrize("code, held", [(_SPLIT, "ALL HELD"), (_MEMFD, "WROTE 400 MB"), (_TMPFS, "WROTE 400 MB")])
+def test_a_calls_memory_is_limited_as_a_whole(code, held):
+    """Before: memory_mb was RLIMIT_AS, per process and blind to shared memory, so 4 processes of
+    150 MB, a 400 MB memfd, or 400 MB in a tmpfs (file_mb raised) all succeeded under 256 MB. Now
+    the call's cgroup holds them all; its peak is read by the caller from the kernel (outside the
+    call), and it never goes past the limit (the cgroup's own counter: 1 page of slack for rounding)."""
+    lim = Limits(cpu_s=10, wall_s=30, memory_mb=256, file_mb=512, output_bytes=4096)
+    o = run_python(code, lim)
+    assert held not in o.output, o
+    assert o.memory_peak_mb is not None and o.memory_peak_mb <= 256 + 4096 / 2**20, o
+    home = sandbox._cgroup_home().path
+    assert not list(home.glob(f"stare-call-{os.getpid()}-*")), "the call's cgroup was left behind"
+
+
+@pytest.mark.skipif(_NO_GROUP is not None, reason=f"no memory cgroup can be made here: {_NO_GROUP}")
+def test_a_call_under_its_limit_runs_and_reports_its_peak():
+    o = run_python("b = bytearray(64 * 2**20)\nfor j in range(0, len(b), 4096): b[j] = 1\nprint('ok')", L)
+    assert o.text() == "ok" and 64 <= o.memory_peak_mb <= 256, o
+
+
+def test_without_a_memory_cgroup_the_fallback_is_said(monkeypatch, capsys):
+    """Where no group can be made (a non-root caller without a delegated controller), calls run with
+    the per-process limit only, and the first start says so."""
+    monkeypatch.setattr(sandbox, "_cgroup_home", lambda: sandbox._CgroupHome(None, 0, "no memory controller here"))
+    monkeypatch.setattr(sandbox, "_WARNED_MEMORY", False)
+    assert sandbox.require_isolation(L) == "namespaces"
+    err = capsys.readouterr().err
+    assert "limits memory per process only" in err and "no memory controller here" in err
+    o = run_python("print('ok')", L)
+    assert o.text() == "ok" and o.memory_peak_mb is None

@@ -374,3 +374,19 @@ def test_resume_refuses_run_directories_stare_did_not_create(cli, tmp_path):
     (run / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("2")
     code, _, err = cli("train", "--resume", str(run))
     assert code == 1 and "not a run directory stare created (no meta.json)" in err and "trust" in err
+
+
+def test_resuming_a_finished_verl_run_says_so_and_launches_nothing(cli, tmp_path, monkeypatch):
+    """Issue 31: a --resume of a run already at optim.total_steps exited 0 without a word."""
+    from stare_cli.backends import verl_backend
+    from stare_cli.core.recipes import recipe_to_yaml
+
+    run = tmp_path / "done"
+    (run / "checkpoints" / "global_step_2" / "actor").mkdir(parents=True)
+    (run / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("2")
+    cfg = load_recipe("tiny/arith", "stare-o1", [*PER_GROUP, "backend.name=verl", "optim.total_steps=2"])
+    (run / "config.yaml").write_text(recipe_to_yaml(cfg))
+    (run / "meta.json").write_text("{}")
+    monkeypatch.setattr(verl_backend, "verl_overrides", lambda *a, **k: pytest.fail("verl was set up for a finished run"))
+    code, out, err = cli("train", "--resume", str(run))
+    assert code == 0 and "is finished" in err and "optim.total_steps (2)" in err, err

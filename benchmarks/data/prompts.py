@@ -9,7 +9,7 @@ import random
 from pathlib import Path
 
 from stare_cli.core.config import Recipe
-from benchmarks.data.registry import GENERATED_PREFIXES, TRAIN_SETS
+from benchmarks.data.registry import GENERATED_PREFIXES, TRAIN_SETS, read_jsonl_rows
 from stare_cli.core.errors import StareError, did_you_mean
 
 
@@ -22,10 +22,14 @@ def load_prompts(cfg: Recipe) -> list[dict]:
                              hint="generated sets: " + ", ".join(TRAIN_SETS))
         return TRAIN_SETS[src](cfg.data.max_samples or 20000, 1000)
     path = Path(src)
+    if path.suffix == ".jsonl":  # our reader: a bad line or undecodable bytes are named with file and line
+        if not path.exists():
+            raise StareError(f"data.train: file '{src}' not found")
+        return _checked_rows(cfg, src, read_jsonl_rows(path), lambda i: f"{src} row {i + 1}")
     try:
         import datasets
 
-        if path.suffix in (".jsonl", ".json", ".parquet"):
+        if path.suffix in (".json", ".parquet"):
             if not path.exists():
                 raise StareError(f"data.train: file '{src}' not found")
             ds = datasets.load_dataset("parquet" if path.suffix == ".parquet" else "json", data_files=str(path), split="train")
@@ -38,17 +42,27 @@ def load_prompts(cfg: Recipe) -> list[dict]:
             f"data.train: cannot load '{src}' ({type(e).__name__}: {str(e)[:200]})",
             hint="point data.train at a local .jsonl/.parquet file when the hub cannot be reached",
         ) from None
+    return _checked_rows(cfg, src, ds, lambda i: f"{src} row {i + 1}")
+
+
+def _checked_rows(cfg: Recipe, src: str, raw, where) -> list[dict]:
+    """{'problem', 'answer'} of each row (up to data.max_samples); a row without either field, or
+    with a null or empty answer (it would be trained on as reward 0 every time), fails naming it."""
     rows = []
-    for r in ds:
+    for i, r in enumerate(raw):
         if cfg.data.prompt_field not in r or cfg.data.answer_field not in r:
             raise StareError(
-                f"data.train: rows of '{src}' lack '{cfg.data.prompt_field}' or '{cfg.data.answer_field}'",
+                f"data.train: {where(i)}: no '{cfg.data.prompt_field}' or '{cfg.data.answer_field}' field",
                 hint=f"set data.prompt_field / data.answer_field; fields here: {', '.join(r)}",
             )
+        answer = r[cfg.data.answer_field]
+        if answer is None or (isinstance(answer, str) and not answer.strip()):
+            raise StareError(f"data.train: {where(i)}: '{cfg.data.answer_field}' is {'null' if answer is None else 'empty'}"
+                             " (every response would get reward 0)", hint="give the row its answer, or remove it")
         prompt = r[cfg.data.prompt_field]
         if isinstance(prompt, list):  # chat-format rows: take the user turn
             prompt = next((m["content"] for m in prompt if m.get("role") == "user"), str(prompt))
-        rows.append({"problem": str(prompt), "answer": str(r[cfg.data.answer_field])})
+        rows.append({"problem": str(prompt), "answer": str(answer)})
         if cfg.data.max_samples and len(rows) >= cfg.data.max_samples:
             break
     if not rows:

@@ -166,6 +166,9 @@ def load_benchmark(name: str, limit: Optional[int] = None, data_file: Optional[s
     With STARE_DATA_DIR set, a benchmark missing from it is an error (no silent hub download)."""
     spec = check_benchmark(name)
     if spec.generate is not None:
+        if data_file:  # a generated benchmark reads no file: using it silently would mislabel the numbers
+            raise StareError(f"--data-file: {name} is generated, not read from a file, so '{data_file}' would be ignored",
+                             hint="drop --data-file, or name a file benchmark (e.g. math500) for the file's problems")
         return [{"idx": i, **r} for i, r in enumerate(spec.generate(limit or spec.size))]
     path = Path(data_file) if data_file else None
     if path is None and os.environ.get("STARE_DATA_DIR"):

@@ -2,7 +2,8 @@
 only, a fresh single-threaded process, as user namespaces require). benchmarks/generation/sandbox.py starts it;
 read that module's docstring for what the sandbox guarantees. Processes:
 
-  H (this script; dies with its parent: PR_SET_PDEATHSIG)
+  H (this script; dies with its parent: PR_SET_PDEATHSIG; joins the call's memory cgroup first,
+     when the caller made one, so every process below is counted in it)
   └─ C  unshare(user, mount, pid, net, ipc, uts, cgroup); H writes C's uid/gid maps (the call's
         own uid from a pool when H is root, else the caller's uid), then C becomes root *of the
         namespace* and forks
@@ -350,6 +351,12 @@ def main() -> None:
         _die_with_parent(cfg["parent"])
     except SetupError as e:
         _fail(str(e))
+    if cfg.get("cgroup"):  # the call's memory cgroup, joined before anything forks: every process is in it
+        try:
+            with open(os.path.join(cfg["cgroup"], "cgroup.procs"), "w") as f:
+                f.write(str(os.getpid()))
+        except OSError as e:
+            _fail(f"join the call's memory cgroup {cfg['cgroup']}: {e}")
     unshared_r, unshared_w = os.pipe()
     mapped_r, mapped_w = os.pipe()
     me = os.getpid()

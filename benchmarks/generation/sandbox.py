@@ -18,7 +18,11 @@ benchmarks/generation/_sandbox_init.py), which gives, per call:
   read-only mounts and the namespaces keep from touching anything of the caller's;
 - no network: a network namespace with no interface up (`import _socket` does not help);
 - limits: CPU seconds, address space, file size, open files and processes (counted per namespace),
-  plus a wall-clock limit enforced by the caller;
+  plus a wall-clock limit enforced by the caller. Memory is limited for the call as a whole where a
+  memory cgroup can be made (cgroup v1's memory controller, or v2's with the controller delegated; as
+  root, typically): every process, its page cache, and memfd and tmpfs pages count toward
+  `memory_mb`, swap too, and the kernel's OOM killer ends the call past it. Elsewhere only the
+  per-process address-space limit holds (a warning says so at start; see `memory_cgroup_problem`);
 - an environment of its own (HOME, TMPDIR that exist, PATH, LANG): nothing of the caller's (API
   keys) is passed; an interpreter with numpy and sympy (by default the one running stare, whose
   environment has both; `rollout.tools.python` / `Limits.python` chooses another).
@@ -35,8 +39,11 @@ A failure of the tool is an observation for the model, never an exception in the
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import fcntl
 import functools
+import itertools
 import json
 import os
 import resource
@@ -77,6 +84,7 @@ class Observation:
     status: str  # ok | error | timeout | killed | output-truncated
     elapsed_s: float
     isolation: str  # namespaces | none (unsafe_no_isolation)
+    memory_peak_mb: Optional[float] = None  # the call's peak (all its processes, shmem included), when a cgroup held it
 
     def text(self) -> str:
         """What the model sees."""
@@ -167,10 +175,180 @@ class _UidSlot:
             self._file.close()  # releases the lock
 
 
+# ---------------------------------------------------------------------------- memory cgroup
+_CALLS = itertools.count()
+
+
+@dataclass(frozen=True)
+class _CgroupHome:
+    """The cgroup folder under which each call gets a memory cgroup of its own."""
+
+    path: Optional[Path]
+    version: int  # 1 (the v1 memory hierarchy) or 2 (unified)
+    problem: Optional[str]  # why calls cannot have one (path None)
+
+
+def _own_cgroup_dirs() -> list[tuple[int, Path]]:
+    """(version, folder) of this process's memory cgroup in each mounted hierarchy that has one."""
+    mounts = []  # (fstype, root inside the hierarchy, mount point, super options)
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        pre, _, post = line.partition(" - ")
+        fields, tail = pre.split(), post.split()
+        if len(fields) >= 5 and len(tail) >= 3 and tail[0] in ("cgroup", "cgroup2"):
+            mounts.append((tail[0], fields[3], fields[4].replace("\\040", " "), tail[2]))
+    out = []
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        hid, controllers, path = line.split(":", 2)
+        if hid == "0" and controllers == "":
+            want = [m for m in mounts if m[0] == "cgroup2"]
+            version = 2
+        elif "memory" in controllers.split(","):
+            want = [m for m in mounts if m[0] == "cgroup" and "memory" in m[3].split(",")]
+            version = 1
+        else:
+            continue
+        for _, root, point, _ in want:
+            if path == root or path.startswith(root.rstrip("/") + "/"):
+                out.append((version, Path(point) / path[len(root):].lstrip("/")))
+                break
+    return sorted(out, key=lambda vp: vp[0])  # v1's memory hierarchy first: v2's is empty where v1 holds it
+
+
+@functools.lru_cache(maxsize=1)
+def _cgroup_home() -> _CgroupHome:
+    """Find (once) where per-call memory cgroups can be made: a probe folder is made and removed."""
+    tried = []
+    try:
+        candidates = _own_cgroup_dirs()
+    except OSError as e:
+        return _CgroupHome(None, 0, f"cannot read this process's cgroups ({e})")
+    for version, d in candidates:
+        if version == 2:
+            try:
+                if "memory" not in (d / "cgroup.controllers").read_text().split():
+                    tried.append(f"{d}: no memory controller delegated")
+                    continue
+                if "memory" not in (d / "cgroup.subtree_control").read_text().split():
+                    (d / "cgroup.subtree_control").write_text("+memory")  # fails where d holds processes itself
+            except OSError as e:
+                tried.append(f"{d}: cannot enable the memory controller for sub-groups ({e.strerror})")
+                continue
+        probe = d / f"stare-call-{os.getpid()}-probe"
+        try:
+            os.mkdir(probe)
+            os.rmdir(probe)
+        except OSError as e:
+            tried.append(f"{d}: cannot make a sub-group ({e.strerror})")
+            continue
+        _remove_stale_call_groups(d)
+        return _CgroupHome(d, version, None)
+    return _CgroupHome(None, 0, "; ".join(tried) or "no memory cgroup controller is mounted")
+
+
+def _remove_stale_call_groups(d: Path) -> None:
+    """Call groups left by a caller that was killed (its pid gone): empty, so they can be removed."""
+    for g in d.glob("stare-call-*"):
+        pid = g.name.split("-")[2]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            try:
+                os.rmdir(g)
+            except OSError:
+                pass
+
+
+def memory_cgroup_problem() -> Optional[str]:
+    """Why a call's memory cannot be limited as a whole here (None when it can)."""
+    return _cgroup_home().problem
+
+
+class _CallCgroup:
+    """A memory cgroup for one call: made before the launcher starts (the launcher joins it before it
+    forks anything, so every process of the call is in it), read and removed after the call."""
+
+    def __init__(self, memory_mb: int):
+        self.memory_mb = memory_mb
+        self.home = _cgroup_home()
+        self.path: Optional[Path] = None
+
+    def __enter__(self) -> "_CallCgroup":
+        if self.home.path is None:
+            return self
+        d = self.home.path / f"stare-call-{os.getpid()}-{next(_CALLS)}"
+        os.mkdir(d)
+        self.path = d
+        limit = str(self.memory_mb * 1024 * 1024)
+        try:  # fail closed: a call whose group could not be limited does not run
+            if self.home.version == 1:
+                (d / "memory.limit_in_bytes").write_text(limit)
+                if (d / "memory.memsw.limit_in_bytes").exists():  # memory + swap: no way out through swap
+                    (d / "memory.memsw.limit_in_bytes").write_text(limit)
+            else:
+                (d / "memory.max").write_text(limit)
+                if (d / "memory.swap.max").exists():
+                    (d / "memory.swap.max").write_text("0")
+                if (d / "memory.oom.group").exists():  # the OOM killer ends the whole call, not one process
+                    (d / "memory.oom.group").write_text("1")
+        except OSError:
+            self._remove()
+            raise
+        return self
+
+    def finish(self) -> tuple[Optional[float], bool]:
+        """(peak MB, whether the OOM killer acted) of the call once its processes are gone (the kernel
+        ends them after the launcher's kill), then the group removed. (None, False) without a group."""
+        if self.path is None:
+            return None, False
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            try:
+                if not (self.path / "cgroup.procs").read_text().strip():
+                    break
+            except OSError:
+                break
+            time.sleep(0.005)
+        usage = self._usage()
+        self._remove()
+        return usage
+
+    def _usage(self) -> tuple[Optional[float], bool]:
+        mb = 1024 * 1024
+
+        def read(name: str) -> Optional[str]:
+            try:
+                return (self.path / name).read_text()
+            except OSError:
+                return None
+
+        peak = read("memory.max_usage_in_bytes" if self.home.version == 1 else "memory.peak")
+        events = read("memory.oom_control" if self.home.version == 1 else "memory.events") or ""
+        kills = dict(line.split()[:2] for line in events.splitlines() if len(line.split()) >= 2)
+        oom = int(kills.get("oom_kill", 0)) > 0  # a process of the call was killed for the group's limit
+        return (int(peak) / mb if peak else None), oom
+
+    def _remove(self) -> None:
+        """rmdir, once the call's processes are gone (the kernel ends them after the launcher's kill)."""
+        deadline = time.monotonic() + 5.0
+        while self.path is not None:
+            try:
+                os.rmdir(self.path)
+                self.path = None
+            except FileNotFoundError:
+                self.path = None
+            except OSError as e:
+                if e.errno != errno.EBUSY or time.monotonic() > deadline:
+                    self.path = None  # left for _remove_stale_call_groups once this process is gone
+                else:
+                    time.sleep(0.01)
+
+    def __exit__(self, *exc) -> None:
+        self._remove()
+
+
 # ------------------------------------------------------------------------------- availability
 _CHECK_LOCK = threading.Lock()
 _PROBLEM: dict[Optional[str], Optional[str]] = {}
 _WARNED = False
+_WARNED_MEMORY = False
 
 
 def isolation_problem(python: Optional[str] = None) -> Optional[str]:
@@ -207,6 +385,12 @@ def require_isolation(limits: Limits) -> str:
                "(rollout.tools.python picks another interpreter)")
         raise StareError(f"the tool sandbox cannot isolate calls on this machine ({problem})",
                          hint=f"{fix}, or, for code you trust only, rollout.tools.unsafe_no_isolation=true")
+    global _WARNED_MEMORY
+    if memory_cgroup_problem() and not _WARNED_MEMORY:
+        print(f"warning: the tool sandbox limits memory per process only (address space, "
+              f"{limits.memory_mb} MB each), not per call: {memory_cgroup_problem()} (run as root, or "
+              "delegate a cgroup v2 memory controller, for a limit on the call as a whole)", file=sys.stderr)
+        _WARNED_MEMORY = True
     missing = interpreter_info(limits.python)["missing"]
     if missing:
         print(f"warning: the sandbox interpreter lacks {', '.join(missing)}; set rollout.tools.python",
@@ -227,12 +411,17 @@ def run_python(code: str, limits: Limits = Limits()) -> Observation:
 
 def _run_isolated(code: str, limits: Limits, info: dict) -> Observation:
     try:
-        with _UidSlot() as slot:
+        with _UidSlot() as slot, _CallCgroup(limits.memory_mb) as group:
             cfg = {"parent": os.getpid(), "host_uid": slot.uid, "python": info["exe"], "ro_paths": info["ro_paths"],
                    "cpu_s": limits.cpu_s, "memory_mb": limits.memory_mb, "file_mb": limits.file_mb,
-                   "nproc": limits.nproc, "code": code}
+                   "nproc": limits.nproc, "code": code, "cgroup": str(group.path) if group.path else None}
             argv = [sys.executable, "-I", "-S", str(INIT)]
-            return _supervise(argv, None, limits, "namespaces", None, stdin=json.dumps(cfg).encode())
+            obs = _supervise(argv, None, limits, "namespaces", None, stdin=json.dumps(cfg).encode())
+            peak, oom = group.finish()
+            if oom:  # the kernel's OOM killer ended a process of the call (maybe not the first): say why
+                obs = dataclasses.replace(obs, output=obs.output + f"\n[a process was killed at the call's memory "
+                                          f"limit of {limits.memory_mb} MB]")
+            return dataclasses.replace(obs, memory_peak_mb=peak)
     except OSError as e:
         return Observation(f"sandbox could not start: {e}", -1, "error", 0.0, "namespaces")
 

@@ -375,6 +375,8 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume: Optional[ResumePla
     # 0. set-up: hardware, run directory, policy, trainer state, prompts, rollout engine
     hw = choose_hardware(cfg)
     run = open_run(cfg, out_root, resume)
+    if finished_already(run, O.total_steps):
+        return run.run_dir
     policy = load_policy(cfg, hw, run)
     pos = start_or_restore(cfg, run, policy, layer, resume)
     rows = load_prompts(cfg)
@@ -488,6 +490,18 @@ def open_run(cfg: Recipe, out_root: Path | str, resume: Optional[ResumePlan]) ->
     if skipped:
         print(f"warning: resuming from {ckpt.name}", file=sys.stderr)
     return RunHandle(run_dir, lock, ckpt)
+
+
+def finished_already(run: RunHandle, total_steps: int) -> bool:
+    """True (said on stderr, the run's lock released) when a resumed run's checkpoint is already at
+    optim.total_steps: there is nothing to train, and exiting 0 without a word would look like work."""
+    if run.ckpt is None or int(run.ckpt.name[5:]) < total_steps:
+        return False
+    print(f"note: {run.run_dir} is finished: its checkpoint {run.ckpt.name} is at optim.total_steps "
+          f"({total_steps}); nothing to train (to go on: --resume it with -o optim.total_steps=N, N > "
+          f"{total_steps}; to start over: --restart)", file=sys.stderr)
+    run.lock.close()
+    return True
 
 
 def load_policy(cfg: Recipe, hw: Hardware, run: RunHandle) -> Policy:

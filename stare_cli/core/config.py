@@ -92,8 +92,17 @@ MAX_BATCH = 1_000_000
 
 
 class RolloutConfig(_Strict):
-    n: StrictInt = Field(8, ge=1, le=MAX_GROUP, description="Responses sampled per prompt (the GRPO group size).")
+    n: StrictInt = Field(8, ge=1, le=MAX_GROUP, description="Responses sampled per prompt (the GRPO group size; at "
+                         "least 2, since every method's advantage is relative to its group).")
     temperature: StrictFloat = Field(1.0, gt=0, le=10, description="Sampling temperature.")
+
+    @field_validator("n")
+    @classmethod
+    def _a_group(cls, n: int) -> int:
+        if n < 2:  # (r - mean r) over a group of one is 0: every advantage, hence every update, would be zero
+            raise ValueError(f"{n} response per prompt: every method here normalises rewards within the prompt's "
+                             "group (GRPO / Dr.GRPO), so a group of 1 has advantage 0 everywhere; use at least 2")
+        return n
     top_p: StrictFloat = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     top_k: StrictInt = Field(-1, ge=-1, description="Top-k sampling; -1 disables it.")
     max_prompt_tokens: StrictInt = Field(1024, ge=1, le=MAX_TOKENS, description="Prompts longer than this are left-truncated.")
@@ -312,8 +321,20 @@ class BackendConfig(_Strict):
 
 class LoggingConfig(_Strict):
     wandb: Literal["offline", "online", "disabled"] = Field("offline", description="wandb mode.")
-    project: str = Field("stare", description="wandb project.")
-    run_name: Optional[str] = Field(None, description="Run name (default: the run directory name).")
+    project: str = Field("stare", min_length=1, max_length=200, description="wandb project (verl: also a part of its "
+                         "checkpoint path, so checked like run_name).")
+    run_name: Optional[str] = Field(None, min_length=1, max_length=200,
+                                    description="Run name (default: the run directory name). verl puts it into its "
+                                    "checkpoint path, so it is one path part: no '/' or '\\', not '.' or '..'.")
+
+    @field_validator("project", "run_name")
+    @classmethod
+    def _one_path_part(cls, name: Optional[str]) -> Optional[str]:
+        if name is not None and (name in (".", "..") or any(c in name for c in "/\\") or not name.isprintable()):
+            raise ValueError(f"{name!r} is not one plain path part (verl writes checkpoints under it): "
+                             "no '/', '\\' or control characters, not '.' or '..'")
+        return name
+
     reflection_words: list[str] = Field(
         default_factory=lambda: ["wait", "verify", "check", "recheck", "however", "alternatively"],
         description="Words counted for the reflection-word rate.",
