@@ -251,13 +251,25 @@ def eval_cmd(
         raise typer.BadParameter("--bench and --model are needed (or --regrade DIR)")
     if harness == Harness.lm_eval:
         from benchmarks.evaluation import lm_eval_bridge
-        from benchmarks.evaluation.evaluate import resolve_model
-        from benchmarks.data.registry import expand
+        from benchmarks.evaluation.evaluate import check_model_path, resolve_model
+        from benchmarks.data.registry import check_benchmark, expand
+        from benchmarks.grading.graders import check_grader
 
+        refused = lm_eval_bridge.refused_options(engine.value, tools, base_url, tensor_parallel != 1
+                                                 or gpu_memory_utilization != 0.85, wandb)
+        if refused or unsafe_no_sandbox:
+            raise UsageError(f"--harness lm-eval cannot honour {refused or '--unsafe-no-sandbox'}",
+                             hint="drop the option, or use the native harness")
+        check_grader(grader)
+        benches = expand(bench)
+        for b in benches:
+            check_benchmark(b)
         path, _ = resolve_model(model)
-        res = lm_eval_bridge.run(path, expand(bench), out or Path("evals") / "lm-eval", n, limit, temperature, top_p,
-                                 max_tokens, data_file, chat_template=template in (None, Template.paper))
-        typer.echo(json.dumps(res, indent=2))
+        check_model_path(model, path)
+        results = lm_eval_bridge.run(path, benches, out or Path("evals") / "lm-eval", n, limit, temperature, top_p,
+                                     max_tokens, data_file, template.value if template else None, seed, grader,
+                                     workers, dtype.value if dtype else "auto")
+        _print_eval({b: r["metrics"] for b, r in results.items()}, f"stare eval (lm-eval): {model} ({grader})", as_json)
         return
     from benchmarks.evaluation.evaluate import run_eval
     from benchmarks.grading.graders import check_grader

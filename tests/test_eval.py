@@ -250,7 +250,9 @@ def test_lm_eval_task_files_point_at_the_same_data_and_grader(tmp_path):
     exec(UTILS, ns)
     doc = {"problem": "What is 1/2?", "answer": "\\frac12"}
     assert ns["process_results"](doc, [["\\boxed{0.5}", "\\boxed{3}"]]) == {"avg_at_n": 50.0, "pass_at_n": 100.0}
-    assert ns["doc_to_text"](doc).endswith(INSTRUCTION)
+    assert ns["doc_to_text_paper"](doc).endswith(INSTRUCTION) and ns["doc_to_text_plain"](doc).endswith(INSTRUCTION + "\n")
+    assert ns["doc_to_text_short"](doc).endswith("Answer with a single number.") and ns["doc_to_text_raw"](doc) == "What is 1/2?\n"
+    assert t["doc_to_text"] == "!function utils.doc_to_text_paper"  # each benchmark's own template by default
 
 
 def test_openai_engine_against_a_local_stub_server():
@@ -492,19 +494,67 @@ def test_eval_results_go_to_wandb_offline(cli, tmp_path, tiny_model, monkeypatch
     assert code == 2
 
 
-def test_lm_eval_bridge_runs_for_real_and_json_stays_machine_readable(tmp_path, tiny_model):
-    """lm-eval (installed by the test extras: `pip install -e '.[lm-eval]'`) runs our task files
-    with our grader; with --json, stdout holds only our JSON (lm-eval's own table goes to stderr)."""
-    code = subprocess.run(
+def _bridge(model, out, *extra) -> subprocess.CompletedProcess:
+    return subprocess.run(
         [sys.executable, "-m", "stare_cli", "eval", "--harness", "lm-eval", "--bench", "math500",
-         "--model", str(tiny_model), "--data-file", str(FIXTURE_DATA / "math500.jsonl"), "--limit", "2", "-n", "1",
-         "--max-tokens", "8", "--out", str(tmp_path / "lm"), "--template", "plain", "--json"],
+         "--model", str(model), "--data-file", str(FIXTURE_DATA / "math500.jsonl"), "--limit", "2", "-n", "2",
+         "--max-tokens", "8", "--out", str(out), "--template", "plain", "--json", "--workers", "0", *extra],
         capture_output=True, text=True, cwd=REPO, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert code.returncode == 0, code.stderr[-3000:]
-    res = json.loads(code.stdout)  # nothing but JSON on stdout
-    assert set(res) == {"stare_math500"} and res["stare_math500"]["sample_len"] == 2
-    assert "avg_at_n,all_samples" in res["stare_math500"]
-    assert list((tmp_path / "lm" / "lm_eval").rglob("samples_stare_math500_*.jsonl"))
+
+
+def test_lm_eval_bridge_writes_our_format_and_honours_seed_and_grader(cli, tmp_path, tiny_model):
+    """lm-eval (installed by the test extras: `pip install -e '.[lm-eval]'`) runs our task files; its
+    logged samples come back as our samples.jsonl and results.json, so compare, --regrade and
+    grade audit read them. Before (issue 30, item 9) it wrote only lm-eval's files and ignored
+    --grader (even an unknown one exited 0) and --seed. With --json, stdout holds only our JSON."""
+    out = tmp_path / "lm"
+    first = _bridge(tiny_model, out)
+    assert first.returncode == 0, first.stderr[-3000:]
+    res = json.loads(first.stdout)  # nothing but JSON on stdout: lm-eval's table went to stderr
+    assert set(res) == {"math500"} and res["math500"]["n"] == 2 and res["math500"]["problems"] == 2
+    results = json.loads((out / "math500" / "results.json").read_text())
+    assert results["grader"].startswith("math-verify@") and results["settings"]["engine"] == "lm-eval-hf"
+    assert results["harness"]["name"] == "lm-eval" and "avg_at_n,all_samples" in results["harness"]["metrics"]
+    assert results["data"]["problems"] == 2 and results["data"]["partial"] is True
+    rows = [json.loads(x) for x in (out / "math500" / "samples.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and {(r["idx"], r["sample"]) for r in rows} == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    assert all(r["gold"] in ("\\frac{3}{4}", "3") and "math-verify" in r["grader"] for r in rows)
+    # another seed and another grader: honoured (new samples under their own key, graded by that grader)
+    second = _bridge(tiny_model, out, "--seed", "7", "--grader", "stare-official")
+    assert second.returncode == 0, second.stderr[-3000:]
+    results = json.loads((out / "math500" / "results.json").read_text())
+    assert results["grader"].startswith("stare-official@") and results["settings"]["seed"] == 7
+    rows = [json.loads(x) for x in (out / "math500" / "samples.jsonl").read_text().splitlines()]
+    by_key: dict[str, list[str]] = {}
+    for r in rows:
+        by_key.setdefault(r["key"], []).append(r["response"])
+    assert len(by_key) == 2 and len(set(map(tuple, by_key.values()))) == 2  # seed 7 sampled other responses
+    # every reader of our format reads it
+    assert cli("compare", str(out), "--format", "csv")[0] == 0
+    code, _, err = cli("eval", "--regrade", str(out), "--grader", "mathruler", "--workers", "0")
+    assert code == 0, err
+    assert cli("grade", "audit", str(out), "--workers", "0")[0] == 0
+
+
+@pytest.mark.parametrize("extra, named", [
+    (["--engine", "vllm"], "--engine vllm"), (["--tools", "python"], "--tools"), (["--wandb", "offline"], "--wandb"),
+    (["--base-url", "http://127.0.0.1:1"], "--base-url"), (["--tensor-parallel", "2"], "--tensor-parallel"),
+])
+def test_lm_eval_bridge_refuses_what_it_cannot_honour(cli, tmp_path, tiny_model, extra, named):
+    code, _, err = cli("eval", "--harness", "lm-eval", "--bench", "math500", "--model", str(tiny_model),
+                       "--data-file", str(FIXTURE_DATA / "math500.jsonl"), "--out", str(tmp_path / "lm"), *extra)
+    assert code == 2 and f"cannot honour {named}" in err, err
+    assert not (tmp_path / "lm").exists()
+
+
+def test_lm_eval_bridge_checks_grader_and_template_before_lm_eval_starts(cli, tmp_path, tiny_model):
+    base = ["eval", "--harness", "lm-eval", "--bench", "math500", "--model", str(tiny_model),
+            "--data-file", str(FIXTURE_DATA / "math500.jsonl"), "--out", str(tmp_path / "lm")]
+    code, _, err = cli(*base, "--grader", "nope")
+    assert code == 1 and "unknown grader 'nope'" in err
+    code, _, err = cli(*base, "--template", "r1")
+    assert code == 1 and "template 'r1'" in err
+    assert not (tmp_path / "lm" / "lm_eval").exists()
 
 
 def test_grade_audit_puts_graders_side_by_side(cli, tmp_path, tiny_model):

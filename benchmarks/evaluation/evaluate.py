@@ -172,7 +172,7 @@ def _same_answer():
 
 
 def write_results(out_dir: Path, s: EvalSettings, rows: list[dict], grader: Grader, words, data: dict,
-                  elapsed: float = 0.0) -> dict:
+                  elapsed: float = 0.0, extra: Optional[dict] = None) -> dict:
     """Metrics of one setting's rows under one grader (from each row's verdict of this grader, never
     from the top-level fields, which hold the latest grader's): results/<key>-<grader>.json and
     results.json. `data`: where the problems came from (`data_record`)."""
@@ -197,7 +197,7 @@ def write_results(out_dir: Path, s: EvalSettings, rows: list[dict], grader: Grad
                      "max_tokens": s.max_tokens, "paper_protocol": s.n == spec.n and s.temperature == spec.temperature
                      and s.top_p == spec.top_p and s.limit is None and not data.get("partial")},
         "data": data, "metrics": benchmark_metrics(per_problem, same=_same_answer()), "elapsed_s": elapsed,
-        "environment": environment_summary(),
+        "environment": environment_summary(), **(extra or {}),
     }
     text = json.dumps(results, indent=2)
     atomic_write_text(out_dir / "results" / f"{s.key()}-{grader.spec.name}.json", text)
