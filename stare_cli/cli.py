@@ -214,7 +214,8 @@ def eval_cmd(
     temperature: Annotated[Optional[float], typer.Option(min=0.0, help="Default: the paper's 1.0.")] = None,
     top_p: Annotated[Optional[float], typer.Option(min=0.0, max=1.0, help="Default: the paper's 0.7.")] = None,
     max_tokens: Annotated[Optional[int], typer.Option(min=1, max=MAX_TOKENS, help="Max new tokens (default 3072).")] = None,
-    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
+    seed: Annotated[Optional[list[int]], typer.Option(
+        help="Sampling seed; repeat it (--seed 1 --seed 2 --seed 3) for mean ± std over seeds (native harness).")] = None,
     data_file: Annotated[Optional[str], typer.Option(help="Local .jsonl (problem, answer) for a single --bench.")] = None,
     base_url: Annotated[Optional[str], typer.Option(help="OpenAI-compatible endpoint for --engine openai.")] = None,
     workers: Annotated[Optional[int], typer.Option(min=0, help="Grading processes (default: all cores; 0: in-process).")] = None,
@@ -257,6 +258,8 @@ def eval_cmd(
 
         refused = lm_eval_bridge.refused_options(engine.value, tools, base_url, tensor_parallel != 1
                                                  or gpu_memory_utilization != 0.85, wandb)
+        if seed and len(seed) > 1:
+            refused = refused or "several --seed values (run the bridge once per seed)"
         if refused or unsafe_no_sandbox:
             raise UsageError(f"--harness lm-eval cannot honour {refused or '--unsafe-no-sandbox'}",
                              hint="drop the option, or use the native harness")
@@ -267,7 +270,8 @@ def eval_cmd(
         path, _ = resolve_model(model)
         check_model_path(model, path)
         results = lm_eval_bridge.run(path, benches, out or Path("evals") / "lm-eval", n, limit, temperature, top_p,
-                                     max_tokens, data_file, template.value if template else None, seed, grader,
+                                     max_tokens, data_file, template.value if template else None,
+                                     seed[0] if seed else 0, grader,
                                      workers, dtype.value if dtype else "auto")
         _print_eval({b: r["metrics"] for b, r in results.items()}, f"stare eval (lm-eval): {model} ({grader})", as_json)
         return
@@ -277,31 +281,41 @@ def eval_cmd(
     check_grader(grader)  # before any model loads
     results = run_eval(model, bench, engine.value, n, limit, out, template.value if template else None, temperature,
                        top_p, max_tokens,
-                       seed, data_file, base_url, workers, dtype=dtype.value if dtype else "auto", tools=tools,
+                       seed or [0], data_file, base_url, workers, dtype=dtype.value if dtype else "auto", tools=tools,
                        grader=grader, wandb_mode=wandb,
                        unsafe_no_sandbox=unsafe_no_sandbox,
                        vllm_kwargs={"tensor_parallel_size": tensor_parallel, "gpu_memory_utilization": gpu_memory_utilization})
-    _print_eval({b: r["metrics"] for b, r in results.items()}, f"stare eval: {model} ({grader})", as_json)
+    _print_eval({b: r["metrics"] for b, r in results.items()}, f"stare eval: {model} ({grader})", as_json,
+                {b: r["over_seeds"] for b, r in results.items() if "over_seeds" in r})
 
 
-def _print_eval(rows: dict, title: str, as_json: bool) -> None:
+def _print_eval(rows: dict, title: str, as_json: bool, spreads: Optional[dict] = None) -> None:
+    spreads = spreads or {}
     if as_json:
-        typer.echo(json.dumps(rows, indent=2))
+        typer.echo(json.dumps({b: {**m, **({"over_seeds": spreads[b]} if b in spreads else {})}
+                               for b, m in rows.items()}, indent=2))
         return
     from rich.console import Console
     from rich.table import Table
 
     t = Table(title=title)
-    for col in ("benchmark", "N", "avg@N [95% CI]", "pass@N", "maj@N", "len", "truncated %", "problems"):
+    cols = ["benchmark", "N", "avg@N [95% CI]", "pass@N", "maj@N", "len", "truncated %", "problems"]
+    if spreads:  # over seeds: the last seed's row, and the seeds' mean ± sample std beside it
+        cols.insert(3, "seeds: mean ± std")
+    for col in cols:
         t.add_column(col)
     for b, m in rows.items():
         N = m["n"]
         lo, hi = m.get(f"ci95/avg@{N}", [float("nan")] * 2)
-        t.add_row(b, str(N), f"{m[f'avg@{N}']:.1f} [{lo:.1f}, {hi:.1f}]", f"{m[f'pass@{N}']:.1f}",
-                  f"{m[f'maj@{N}']:.1f}", f"{m['len/mean']:.0f}", f"{m['truncated']:.1f}", str(m["problems"]))
+        cells = [b, str(N), f"{m[f'avg@{N}']:.1f} [{lo:.1f}, {hi:.1f}]", f"{m[f'pass@{N}']:.1f}",
+                 f"{m[f'maj@{N}']:.1f}", f"{m['len/mean']:.0f}", f"{m['truncated']:.1f}", str(m["problems"])]
+        if spreads:
+            sp = spreads.get(b)
+            cells.insert(3, f"{sp['mean']:.1f} ± {sp['std']:.1f} ({len(sp['seeds'])})" if sp else "")
+        t.add_row(*cells)
     if len(rows) > 1:
         avg = sum(m[f"avg@{m['n']}"] for m in rows.values()) / len(rows)
-        t.add_row("average", "", f"{avg:.1f}", "", "", "", "", "")
+        t.add_row("average", "", f"{avg:.1f}", *[""] * (len(cols) - 3))
     Console().print(t)
 
 

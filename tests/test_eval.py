@@ -539,6 +539,7 @@ def test_lm_eval_bridge_writes_our_format_and_honours_seed_and_grader(cli, tmp_p
 @pytest.mark.parametrize("extra, named", [
     (["--engine", "vllm"], "--engine vllm"), (["--tools", "python"], "--tools"), (["--wandb", "offline"], "--wandb"),
     (["--base-url", "http://127.0.0.1:1"], "--base-url"), (["--tensor-parallel", "2"], "--tensor-parallel"),
+    (["--seed", "1", "--seed", "2"], "several --seed values"),
 ])
 def test_lm_eval_bridge_refuses_what_it_cannot_honour(cli, tmp_path, tiny_model, extra, named):
     code, _, err = cli("eval", "--harness", "lm-eval", "--bench", "math500", "--model", str(tiny_model),
@@ -606,3 +607,36 @@ def test_maj_at_k_equals_brute_force_and_maj_at_1_is_the_average():
                 for s in itertools.islice(itertools.combinations(range(32), 16), 0, None, 9973)) / len(
                     range(0, comb(32, 16), 9973))
     assert abs(est - exact) < 0.06  # 1,000 draws: standard error <= 0.016; the reference is a 1-in-9973 stride
+
+
+def test_several_seeds_give_mean_and_std_over_seeds_and_compare_shows_them(cli, tmp_path, quick_toy):
+    """Issue 30, item 17: `--seed 1 --seed 2 --seed 3` evaluates each seed as a setting of its own;
+    results carry avg@N per seed, their mean and sample std (n - 1), and compare averages over them."""
+    import statistics
+
+    out = tmp_path / "ev"
+    code, stdout, err = cli("eval", "--bench", "toy:arith", "--model", str(quick_toy), "--limit", "16", "-n", "2",
+                            "--out", str(out), "--engine", "hf", "--workers", "0", "--seed", "1", "--seed", "2",
+                            "--seed", "3", "--json")
+    assert code == 0, err
+    sp = json.loads(stdout)["toy:arith"]["over_seeds"]
+    bench_dir = next(out.glob("*/results.json")).parent
+    per_seed = [json.loads((bench_dir / f).read_text()) for f in sp["results"]]
+    assert [r["settings"]["seed"] for r in per_seed] == sp["seeds"] == [1, 2, 3]
+    assert sp["values"] == [r["metrics"]["avg@2"] for r in per_seed]
+    assert len({r["key"] for r in per_seed}) == 3  # three settings, three sets of samples
+    samples = [json.loads(x) for x in (bench_dir / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 3 * 16 * 2
+    assert sp["mean"] == pytest.approx(statistics.fmean(sp["values"]), abs=1e-12)
+    assert sp["std"] == pytest.approx(statistics.stdev(sp["values"]), abs=1e-12)
+    assert len(set(sp["values"])) > 1  # the toy at T=1 answers differently per seed: the spread is real
+    code, table, err = cli("compare", str(out), "--format", "md")
+    assert code == 0, err
+    row = next(line for line in table.splitlines() if line.startswith("| arith"))
+    assert f"| {sp['mean']:.1f} ± {sp['std']:.1f} |" in row and row.rstrip().endswith("| 3 |"), table
+
+
+def test_a_seed_given_twice_is_refused(cli, tmp_path, quick_toy):
+    code, _, err = cli("eval", "--bench", "toy:arith", "--model", str(quick_toy), "--limit", "2", "--out",
+                       str(tmp_path / "ev"), "--seed", "1", "--seed", "1")
+    assert code == 1 and "each seed once" in err

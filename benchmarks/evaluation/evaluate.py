@@ -342,6 +342,28 @@ def _settings_by_key(bench_dir: Path) -> dict[str, tuple[EvalSettings, dict]]:
     return found
 
 
+def seed_spread(per_seed: list[dict]) -> dict:
+    """avg@N of each seed's results, their mean and sample standard deviation (n - 1: the spread of
+    a new seed, as RL papers report it), and the results files they come from."""
+    import statistics
+
+    n = per_seed[0]["metrics"]["n"]
+    vals = [r["metrics"][f"avg@{n}"] for r in per_seed]
+    return {"seeds": [r["settings"]["seed"] for r in per_seed], "metric": f"avg@{n}", "values": vals,
+            "mean": statistics.fmean(vals), "std": statistics.stdev(vals),
+            "results": [f"results/{r['key']}-{r['grader'].split('@')[0]}.json" for r in per_seed]}
+
+
+def record_seed_spread(bench_dir: Path, per_seed: list[dict], grader: Grader) -> dict:
+    """The last seed's results with `over_seeds` added, rewritten as results.json and its own file
+    (what `stare compare` reads: one result per seed, mean ± std over them)."""
+    res = {**per_seed[-1], "over_seeds": seed_spread(per_seed)}
+    text = json.dumps(res, indent=2)
+    atomic_write_text(bench_dir / "results" / f"{res['key']}-{grader.spec.name}.json", text)
+    atomic_write_text(bench_dir / "results.json", text)
+    return res
+
+
 def data_record(bench: str, rows: list[dict], digest: str, data_file: Optional[str] = None) -> dict:
     """Where a benchmark's problems came from, their digest and count, and whether they are only part
     of the benchmark (a --limit, a smaller local file, or a generated set's subset): `partial` results
@@ -401,12 +423,14 @@ def check_inputs(benches: list[str], limit: Optional[int], data_file: Optional[s
 def run_eval(model: str, benches: list[str], engine_name: str = "auto", n: Optional[int] = None,
              limit: Optional[int] = None, out: Optional[Path] = None, template: Optional[str] = None,
              temperature: Optional[float] = None, top_p: Optional[float] = None, max_tokens: Optional[int] = None,
-             seed: int = 0, data_file: Optional[str] = None, base_url: Optional[str] = None, workers: Optional[int] = None,
+             seed: int | list[int] = 0, data_file: Optional[str] = None, base_url: Optional[str] = None, workers: Optional[int] = None,
              device: str = "auto", batch_size: int = 64, dtype: str = "auto", tools: Optional[str] = None,
              vllm_kwargs: Optional[dict] = None, grader: str = "math-verify",
              wandb_mode: Optional[str] = None, unsafe_no_sandbox: bool = False) -> dict[str, dict]:
     """Evaluate `model` on `benches`; returns {bench: results}. Progress on stderr (a bar on a
-    terminal, lines with rate and ETA otherwise)."""
+    terminal, lines with rate and ETA otherwise). With several seeds, each seed is a setting of its
+    own (its own samples and results file), and each benchmark's results (the last seed's) carry
+    `over_seeds`: avg@N per seed, their mean and sample standard deviation (`seed_spread`)."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -415,6 +439,9 @@ def run_eval(model: str, benches: list[str], engine_name: str = "auto", n: Optio
     benches = expand(benches)
     for b in benches:
         check_benchmark(b)
+    seeds = [seed] if isinstance(seed, int) else list(seed)
+    if len(set(seeds)) != len(seeds) or not seeds:
+        raise StareError(f"--seed {', '.join(map(str, seeds))}: each seed once", hint="e.g. --seed 1 --seed 2 --seed 3")
     if data_file and len(benches) > 1:
         raise StareError("--data-file names one benchmark's file", hint="use STARE_DATA_DIR for several")
     tool_spec = None
@@ -450,13 +477,16 @@ def run_eval(model: str, benches: list[str], engine_name: str = "auto", n: Optio
                       console=console, disable=not console.is_terminal) as prog:
             for b in benches:
                 spec = BENCHMARKS[b]
-                s = EvalSettings(model=path, bench=b, template=template or spec.template, n=n or spec.n,
-                                 temperature=spec.temperature if temperature is None else temperature,
-                                 top_p=spec.top_p if top_p is None else top_p, max_tokens=max_tokens or spec.max_tokens,
-                                 seed=seed, engine=engine_name, limit=limit, tools=tools,
-                                 dtype=None if dtype == "auto" else dtype)
-                results[b] = evaluate_benchmark(engine, tok, s, out / dir_name(b), grading, data_file=data_file, progress=prog,
-                                                tools=tool_spec, rows=data[b])
+                per_seed = []
+                for sd in seeds:
+                    s = EvalSettings(model=path, bench=b, template=template or spec.template, n=n or spec.n,
+                                     temperature=spec.temperature if temperature is None else temperature,
+                                     top_p=spec.top_p if top_p is None else top_p, max_tokens=max_tokens or spec.max_tokens,
+                                     seed=sd, engine=engine_name, limit=limit, tools=tools,
+                                     dtype=None if dtype == "auto" else dtype)
+                    per_seed.append(evaluate_benchmark(engine, tok, s, out / dir_name(b), grading, data_file=data_file,
+                                                       progress=prog, tools=tool_spec, rows=data[b]))
+                results[b] = per_seed[0] if len(seeds) == 1 else record_seed_spread(out / dir_name(b), per_seed, grading)
                 if not console.is_terminal:
                     m = results[b]["metrics"]
                     avg = m[f"avg@{m['n']}"]
@@ -464,7 +494,8 @@ def run_eval(model: str, benches: list[str], engine_name: str = "auto", n: Optio
     finally:
         grading.close()
     summary = {"model": path, "out": str(out), "grader": grading.tag,
-               "benchmarks": {b: r["metrics"] for b, r in results.items()}}
+               "benchmarks": {b: r["metrics"] for b, r in results.items()},
+               **({"over_seeds": {b: r["over_seeds"] for b, r in results.items()}} if len(seeds) > 1 else {})}
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
     if wandb_mode:
         log_to_wandb(summary, out, wandb_mode)

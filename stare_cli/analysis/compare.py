@@ -149,7 +149,33 @@ def load_inputs(paths: list[Path]) -> list[Result]:
         for b, res in results.items():
             r.metrics[b] = res["metrics"]
             r.protocol[b] = _protocol(res)
-        out.append(r)
+        out.extend(_per_eval_seed(r, results, p))
+    return out
+
+
+def _per_eval_seed(r: Result, results: dict[str, dict], source: Path) -> list[Result]:
+    """One Result per evaluation seed where `stare eval --seed A --seed B ...` recorded them
+    (`over_seeds`: the seeds' results files), so that rows show mean ± std over them like training
+    seeds; else [r]. A seed's file that is gone is an error, never a silently smaller spread."""
+    spread = {b: res["over_seeds"] for b, res in results.items() if res.get("over_seeds")}
+    if not spread:
+        return [r]
+    k = max(len(sp["results"]) for sp in spread.values())
+    out = []
+    for i in range(k):
+        ri = Result(label=r.label, seed=r.seed, source=r.source, protocol=dict(r.protocol),
+                    metrics_rows=r.metrics_rows if i == 0 else [], config=r.config)
+        for b, m in r.metrics.items():
+            if b not in spread:
+                ri.metrics[b] = m if i == 0 else None
+                continue
+            files = list(source.rglob(spread[b]["results"][i])) if i < len(spread[b]["results"]) else []
+            if not files:
+                raise StareError(f"{source}: {b}'s seed {i + 1} results file is missing ({spread[b]['results'][i]})",
+                                 hint="run the evaluation with the same seeds again to rewrite it")
+            ri.metrics[b] = json.loads(files[0].read_text())["metrics"]
+        ri.metrics = {b: m for b, m in ri.metrics.items() if m is not None}
+        out.append(ri)
     return out
 
 
