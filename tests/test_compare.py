@@ -95,8 +95,9 @@ def test_mismatched_protocols_are_flagged_not_averaged(cli, tmp_path):
     b = _run(tmp_path / "b", "grpo-ds", 2, {"aime24": 50.0}, top_p=1.0)
     code, out, _ = cli("compare", str(a), str(b), "--format", "json")
     data = json.loads(out)
-    rows = [r for r in data["rows"] if r["label"] == "GRPO-ds"]
-    assert len(rows) == 2  # two protocols, two rows
+    rows = [r for r in data["rows"] if r["label"].startswith("GRPO-ds")]
+    assert len(rows) == 2  # two protocols, two rows, named by what differs
+    assert sorted(r["label"] for r in rows) == ["GRPO-ds [top_p=0.7]", "GRPO-ds [top_p=1.0]"]
     assert all(r["flagged"] for r in rows) and data["mixed_protocols"] == ["aime24"]
     assert sorted(r["cells"]["aime24"]["mean"] for r in rows) == [30.0, 50.0]
     code, md, _ = cli("compare", str(a), str(b), "--format", "md")
@@ -205,3 +206,25 @@ def test_pass_at_k_curves_average_a_labels_seeds_with_an_interval(tmp_path):
     # two runs of one label with the same seed are two runs, not seeds: drawn apart
     same = passk_curves([r("stare-o1", 1, 10.0, 30.0, "a"), r("stare-o1", 1, 20.0, 50.0, "b")], "aime24")
     assert len(same) == 2 and all(not c.lo for c in same.values())
+
+
+def test_rows_of_one_model_under_different_protocols_are_named_apart_and_never_bolded_against_each_other():
+    """Issue 30, item 14: three evaluations of one model (N=1, N=2, N=1 at T=0.5) were three rows all
+    labelled 'arith-v1 *', and one was bolded as best across protocols."""
+    from stare_cli.analysis.compare import Result, build_rows, render
+
+    def res(n, t, acc):
+        return Result("arith-v1", 0, f"src-{n}-{t}", metrics={"toy:arith": {"n": n, f"avg@{n}": acc, "problems": 8}},
+                      protocol={"toy:arith": (n, t, 1.0, "raw", 56, True)}, config={"model": "arith-v1"})
+
+    rows, info = build_rows([res(1, 1.0, 0.0), res(2, 1.0, 37.5), res(1, 0.5, 40.0)], "avg", ("toy:arith",))
+    assert [r.label for r in rows] == ["arith-v1 [N=1, T=1.0]", "arith-v1 [N=2, T=1.0]", "arith-v1 [N=1, T=0.5]"]
+    assert info["mixed"] == ["toy:arith"]
+    md = render(rows, info, "md", {}, ("toy:arith",))
+    assert "**" not in md  # 40.0 is not "best": its protocol differs from the others'
+    # one protocol: a best exists, and the labels stay plain
+    rows, info = build_rows([res(2, 1.0, 37.5), Result("other", 0, "o", metrics={"toy:arith": {"n": 2, "avg@2": 50.0}},
+                                                            protocol={"toy:arith": (2, 1.0, 1.0, "raw", 56, True)})],
+                            "avg", ("toy:arith",))
+    assert [r.label for r in rows] == ["arith-v1", "other"]
+    assert "**50.0**" in render(rows, info, "md", {}, ("toy:arith",))

@@ -228,6 +228,9 @@ def build_rows(results: list[Result], metric: str = "avg", benches: tuple[str, .
         conflict = [b for b in benches if len({r.protocol[b] for r in rs if b in r.protocol}) > 1]
         for r in rs:
             groups.setdefault((label, tuple(r.protocol.get(b) for b in conflict)), []).append(r)
+    # Groups of one label that differ in protocol get the difference in their label ("[N=2]"),
+    # never the same name for different things.
+    names = _protocol_labels(groups, benches)
     protos: dict[str, set] = {b: set() for b in benches}
     for r in results:
         for b in benches:
@@ -235,7 +238,7 @@ def build_rows(results: list[Result], metric: str = "avg", benches: tuple[str, .
                 protos[b].add(r.protocol[b])
     mixed = {b for b, ps in protos.items() if len(ps) > 1}
     rows = []
-    for (label, _), rs in groups.items():
+    for (label, conf), rs in groups.items():
         cells: dict[str, Optional[tuple[float, float, int]]] = {}
         ci: dict[str, tuple[float, float]] = {}
         for b in benches:
@@ -267,9 +270,36 @@ def build_rows(results: list[Result], metric: str = "avg", benches: tuple[str, .
                          for b, p in proto.items() if b in mixed) if flagged else ("limited" if lim else "")
         if len(per_seed_avgs) > 1:
             ci["avg"] = bootstrap_ci(per_seed_avgs)
-        rows.append(Row(label, cells, avg, ci=ci, flagged=flagged or lim, note=note))
+        rows.append(Row(names[(label, conf)], cells, avg, ci=ci, flagged=flagged or lim, note=note))
     ns = sorted({r.metrics[b]["n"] for r in results for b in r.metrics})
     return rows, {"metric": metric, "ns": ns, "mixed": sorted(mixed)}
+
+
+_PROTOCOL_FIELDS = ("N", "T", "top_p", "template", "max", "limited")
+
+
+def _protocol_labels(groups: dict[tuple, list[Result]], benches: tuple[str, ...]) -> dict[tuple, str]:
+    """(label, conflicting protocols) -> the row's label: the label itself where it names one row,
+    else with the protocol fields that tell its rows apart, e.g. 'arith-v1 [N=2, T=0.5]'."""
+    by_label: dict[str, list[tuple]] = {}
+    for key in groups:
+        by_label.setdefault(key[0], []).append(key)
+    out = {}
+    for label, keys in by_label.items():
+        if len(keys) == 1:
+            out[keys[0]] = label
+            continue
+        protos = {k: {b: p for r in groups[k] for b, p in r.protocol.items()} for k in keys}
+        for k in keys:
+            parts = []
+            for b in benches:
+                mine = protos[k].get(b)
+                for i, name in enumerate(_PROTOCOL_FIELDS):
+                    values = {p[b][i] for p in protos.values() if p.get(b) is not None}
+                    if mine is not None and len(values) > 1 and f"{name}=" not in " ".join(parts):
+                        parts.append(f"{name}={mine[i]}")
+            out[k] = f"{label} [{', '.join(parts)}]" if parts else label
+    return out
 
 
 def paper_rows(scenario: str, benches: tuple[str, ...] = PAPER_ORDER) -> list[Row]:
@@ -326,10 +356,12 @@ def render(rows: list[Row], info: dict, fmt: str, deltas: dict[int, Optional[flo
     n_txt = "N=" + "/".join(str(n) for n in ns) if ns else ""
     header = ["Method", *[BENCHMARKS[b].title for b in benches], "Avg"] + (["Δ Avg"] if deltas else []) + ["seeds"]
     best = {}
+    mixed = set(info.get("mixed", ()))
     for b in [*benches, "avg"]:
         vals = [(r.avg if b == "avg" else r.cells.get(b)) for r in rows]
         vals = [v[0] for v in vals if v is not None]
-        best[b] = max(vals) if len(vals) >= 2 else None  # bold means best of several
+        comparable = not (mixed & ({b} if b != "avg" else set(benches)))  # no "best" across protocols
+        best[b] = max(vals) if len(vals) >= 2 and comparable else None  # bold means best of several
     body = []
     for i, r in enumerate(rows):
         label = _title(r.label) if not r.paper else r.label
