@@ -89,7 +89,11 @@ def test_sweep_killed_midway_finishes_like_an_uninterrupted_one(cli, tmp_path, q
     assert code == 0 and "4 already finished, 0 to run" in err
 
 
-def test_a_failed_cell_does_not_stop_the_others(cli, tmp_path, quick_toy):
+def test_a_failed_cell_does_not_stop_the_others(cli, tmp_path, quick_toy, monkeypatch):
+    from stare_cli.analysis import sweep
+
+    monkeypatch.setattr(sweep, "PROGRESS_FIRST_S", 0.0)  # (issue 30, item 13: the running cells' steps and ETA)
+    monkeypatch.setattr(sweep, "PROGRESS_EVERY_S", 1.0)
     out = tmp_path / "s"
     # one cell's run directory is broken before the sweep runs (its resume fails); the rest train
     bad = out / "cells" / "grpo-ds-seed1" / "broken"
@@ -102,6 +106,22 @@ def test_a_failed_cell_does_not_stop_the_others(cli, tmp_path, quick_toy):
     assert cells["grpo-ds-seed1"]["state"] == "failed" and cells["grpo-ds-seed1"]["error"]
     assert all(c["state"] == "done" for n, c in cells.items() if n != "grpo-ds-seed1")
     assert (out / "table.md").exists()  # the table of the cells that finished
+    progress = [ln for ln in (out / "sweep.log").read_text().splitlines() if " progress: " in ln]
+    assert progress and any(" step " in ln and "steps/min" in ln and "ETA" in ln for ln in progress), progress
+    assert any(" progress: " in ln for ln in err.splitlines())  # on stderr too
+
+
+def test_a_cells_progress_is_read_from_its_log(tmp_path):
+    from stare_cli.analysis.sweep import _cell_progress
+
+    (tmp_path / "logs").mkdir()
+    assert _cell_progress(tmp_path, "a") == "a starting"
+    (tmp_path / "logs" / "a.log").write_text("$ stare train ...\nloading\n")
+    assert _cell_progress(tmp_path, "a") == "a setting up"
+    with open(tmp_path / "logs" / "a.log", "a") as f:
+        f.write("step 3/30  reward 0.5  entropy 0.4  time/step 60  0.75 steps/min  ETA 32m10s\n")
+        f.write("step 4/30  reward 0.6  entropy 0.4  time/step 60  0.72 steps/min  ETA 31m50s\n")
+    assert _cell_progress(tmp_path, "a") == "a step 4/30, 0.72 steps/min, ETA 31m50s"
 
 
 def test_a_sweep_directory_keeps_its_settings(cli, tmp_path, quick_toy):

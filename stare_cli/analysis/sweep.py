@@ -262,6 +262,28 @@ class _Running:
         self.stdout.close()
 
 
+PROGRESS_FIRST_S, PROGRESS_EVERY_S = 10.0, 30.0  # a line on the running cells: first after 10 s, then every 30 s
+
+
+def _cell_progress(out: Path, name: str) -> str:
+    """A running cell's latest step line from its log ('grpo-ds-seed1 step 12/30, 0.70 steps/min, ETA
+    3m10s'), or what it is doing before its first step."""
+    try:
+        with open(out / "logs" / f"{name}.log", "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 8192))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return f"{name} starting"
+    step = next((ln for ln in reversed(lines) if ln.startswith("step ")), None)
+    if step is None:
+        return f"{name} setting up"
+    words = step.split()
+    rate = next((f"{words[i - 1]} steps/min" for i, w in enumerate(words) if w == "steps/min"), "")
+    eta = next((f"ETA {words[i + 1]}" for i, w in enumerate(words[:-1]) if w == "ETA"), "")
+    return ", ".join(x for x in (f"{name} {words[0]} {words[1]}", rate, eta) if x)
+
+
 def _train_cells(spec: SweepSpec, out: Path, cells: list[Cell], parallel: int, threads: int, log: _Log) -> None:
     todo: list[Cell] = []
     for c in cells:
@@ -284,8 +306,12 @@ def _train_cells(spec: SweepSpec, out: Path, cells: list[Cell], parallel: int, t
     old = {s: signal.signal(s, lambda signum, frame: got.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
     forwarded = 0
     t0 = time.time()
+    next_progress = t0 + PROGRESS_FIRST_S
     try:
         while running or (todo and not got):
+            if running and time.time() >= next_progress:  # the cells' own step lines: step, rate, ETA
+                log("progress: " + "; ".join(_cell_progress(out, name) for name in running))
+                next_progress = time.time() + PROGRESS_EVERY_S
             while todo and len(running) < parallel and not got:
                 c = todo.pop(0)
                 rd = cell_run_dir(out, c)
