@@ -228,3 +228,18 @@ def test_rows_of_one_model_under_different_protocols_are_named_apart_and_never_b
                             "avg", ("toy:arith",))
     assert [r.label for r in rows] == ["arith-v1", "other"]
     assert "**50.0**" in render(rows, info, "md", {}, ("toy:arith",))
+
+
+def test_every_pass_at_k_panel_has_its_own_legend(tmp_path, monkeypatch):
+    """Issue 30, item 14: the legend was drawn on the first panel only, so a method evaluated on the
+    second benchmark only had no legend entry anywhere."""
+    from stare_cli.analysis import compare
+
+    figs = []
+    monkeypatch.setattr(compare, "save_figure", lambda fig, base: figs.append(fig) or [])
+    rs = [compare.Result("stare-o1", 1, "a", metrics={"aime24": {"pass@1": 10.0, "pass@2": 20.0}}),
+          compare.Result("grpo-ds", 1, "b", metrics={"math500": {"pass@1": 30.0, "pass@2": 40.0}})]
+    compare.passk_plot(rs, tmp_path)
+    legends = [ax.get_legend() for ax in figs[0].axes]
+    assert all(lg is not None for lg in legends)
+    assert [[t.get_text() for t in lg.get_texts()] for lg in legends] == [["STARE-O1 (seed 1)"], ["GRPO-ds (seed 1)"]]

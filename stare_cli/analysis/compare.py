@@ -538,5 +538,6 @@ def passk_plot(results: list[Result], out_dir: Path) -> list[Path]:
         ax.set_xlabel("k")
         ax.set_ylabel("pass@k (%)")
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:  # each panel its own: a label may be on some benchmarks only
+            ax.legend(fontsize=7)
     return save_figure(fig, out_dir / "passk")

@@ -124,5 +124,6 @@ def plot_evals_over_training(evaluations: dict[str, dict[str, dict]], out_base: 
         ax.set_xlabel("step")
         ax.set_ylabel("%")
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:  # each panel its own: its pass@N differs from the others'
+            ax.legend(fontsize=7)
     return save_figure(fig, out_base)
