@@ -390,3 +390,18 @@ def test_resuming_a_finished_verl_run_says_so_and_launches_nothing(cli, tmp_path
     monkeypatch.setattr(verl_backend, "verl_overrides", lambda *a, **k: pytest.fail("verl was set up for a finished run"))
     code, out, err = cli("train", "--resume", str(run))
     assert code == 0 and "is finished" in err and "optim.total_steps (2)" in err, err
+
+
+@pytest.mark.parametrize("override, owner", [
+    ("actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean", "method.loss_agg"),  # ran while the recipe said token-mean
+    ("+actor_rollout_ref.actor.clip_ratio_low=0.3", "method.clip_low"),
+])
+def test_an_extra_override_of_a_key_the_recipe_owns_is_refused_naming_both(override, owner):
+    """Issue 29, item 5: extra_overrides silently won over the recipe's own translated keys."""
+    from stare_cli.core.errors import StareError
+
+    cfg = load_recipe("short-cot/qwen2.5-math-7b", "stare-o1", [*PER_GROUP, f'backend.verl.extra_overrides=["{override}"]'])
+    with pytest.raises(StareError) as e:
+        verl_overrides(cfg)
+    key = override.split("=")[0].lstrip("+")
+    assert "backend.verl.extra_overrides" in str(e.value) and key in str(e.value) and owner in str(e.value)

@@ -24,13 +24,15 @@ Two facts about how the official runs used these values, read from the official 
 (`verl/workers/reward_manager/stare.py` and `verl/experimental/reward_loop/reward_manager/stare.py`):
 - the training reward is `acc`, not `score` (both managers take `result["acc"]`); `score` and
   `format` are only recorded beside it;
-- the reward-loop manager (the official runs set `reward_model.use_reward_loop=True`) calls the
+- the reward-loop manager (the official runs' composed configuration has `reward_model.use_reward_loop: true`,
+  verl's default there) calls the
   scorer through `run_in_executor`, i.e. in a worker thread, where math-verify's signal-based
   timeouts cannot run: `parse(..., parsing_timeout=5)` and `verify(..., timeout_seconds=5)` raise
   ValueError there (math-verify 0.9.0: "doesn't support threaded environment"), the official code
   catches it and scores the check 0. In those runs acc therefore came from check 3 alone.
 `official_acc(..., as_run=True)` reproduces that; `as_run=False` runs all three checks as written
-(in a process's main thread, where the timeouts work). tests/test_official_grader.py shows both.
+(in a process's main thread, where the timeouts work). tests/test_official_grader.py shows the thread
+fact with the installed math-verify; tests/test_method_layer.py the reward.
 
 mathruler's grade_answer has no time limit of its own (sympy can hang on hostile input): run these
 functions through `benchmarks.grading.graders.Grader`, whose worker processes have hard limits.

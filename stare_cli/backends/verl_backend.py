@@ -300,8 +300,29 @@ def check(cfg: Recipe) -> None:
 
 
 def refusals(cfg: Recipe) -> list[tuple[str, str]]:
-    """(key, reason) of every table row that refuses the recipe's values."""
-    return [r for r in (row.refuse(cfg) for row in TABLE if row.refuse is not None) if r is not None]
+    """(key, reason) of every table row that refuses the recipe's values, then of every extra
+    override that would set a verl key the recipe already sets (`owned_by_recipe`)."""
+    out = [r for r in (row.refuse(cfg) for row in TABLE if row.refuse is not None) if r is not None]
+    if out:
+        return out
+    owned = owned_by_recipe(cfg)
+    for o in cfg.backend.verl.extra_overrides:
+        key = o.split("=", 1)[0].lstrip("+~")
+        if key in owned:
+            out.append(("backend.verl.extra_overrides",
+                        f"'{o}' sets {key}, which the recipe's {' / '.join(owned[key])} translate(s) to; verl would run "
+                        "a value the recipe does not say: change the recipe key instead"))
+    return out
+
+
+def owned_by_recipe(cfg: Recipe) -> dict[str, tuple[str, ...]]:
+    """verl key -> the recipe keys whose translation sets it (the table's rows)."""
+    owned: dict[str, tuple[str, ...]] = {}
+    for row in TABLE:
+        if row.to_verl is not None:
+            for k in row.to_verl(cfg):
+                owned.setdefault(k, row.keys)
+    return owned
 
 
 # ---------------------------------------------------------------------------------- the overrides
