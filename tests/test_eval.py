@@ -130,6 +130,17 @@ def test_instruction_is_not_doubled():
     assert build_prompt("What is 1+1?", "plain").count(INSTRUCTION) == 1
 
 
+@pytest.mark.parametrize("problem", ["What is 1+1?", "What is 1+1?  ", "What is 1+1?\n", "What is 1+1?\n\n \t"])
+def test_the_instruction_is_added_as_the_official_pipeline_adds_it(problem):
+    """problem + "\n" + instruction with no stripping (issue 29, item 5: trailing whitespace was
+    stripped before the instruction was added)."""
+    from benchmarks.generation.templates import user_text, with_instruction
+
+    assert with_instruction(problem) == problem + "\n" + INSTRUCTION
+    assert user_text(problem, "paper") == problem + "\n" + INSTRUCTION
+    assert build_prompt(problem, "plain") == problem + "\n" + INSTRUCTION + "\n"
+
+
 def test_paper_expands_in_order_and_local_dir(monkeypatch):
     assert expand(["paper"]) == list(PAPER_ORDER)
     monkeypatch.setenv("STARE_DATA_DIR", str(FIXTURE_DATA))

@@ -28,8 +28,10 @@ R1_SYSTEM = (
 
 
 def with_instruction(problem: str) -> str:
-    p = problem.rstrip()
-    return p if p.endswith(INSTRUCTION) else f"{p}\n{INSTRUCTION}"
+    """`problem + "\n" + INSTRUCTION`, exactly as the official data pipeline builds it (no stripping:
+    trailing whitespace stays, ../shared/notes/official-semantics.md); a problem that already ends
+    with the instruction (our benchmark files) is used as it is."""
+    return problem if problem.rstrip().endswith(INSTRUCTION) else f"{problem}\n{INSTRUCTION}"
 
 
 def user_text(problem: str, template: str) -> str:
