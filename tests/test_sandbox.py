@@ -6,6 +6,7 @@ path where isolation used to fail open), with the system Python."""
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
 import os
 import shutil
@@ -574,3 +575,13 @@ def test_without_a_memory_cgroup_the_fallback_is_said(monkeypatch, capsys):
     assert "limits memory per process only" in err and "no memory controller here" in err
     o = run_python("print('ok')", L)
     assert o.text() == "ok" and o.memory_peak_mb is None
+
+
+@pytest.mark.skipif(_NO_GROUP is not None, reason=f"no memory cgroup can be made here: {_NO_GROUP}")
+def test_calls_starting_together_in_threads_all_get_a_memory_group():
+    """The first calls of a rollout may start at once in threads: the probe that finds where groups
+    are made runs once, under a lock, and never sends a call to the per-process fallback."""
+    sandbox._find_cgroup_home.cache_clear()
+    with cf.ThreadPoolExecutor(6) as pool:
+        obs = list(pool.map(lambda _: run_python("print('ok')", L), range(6)))
+    assert all(o.text() == "ok" and o.memory_peak_mb is not None for o in obs), obs

@@ -214,9 +214,19 @@ def _own_cgroup_dirs() -> list[tuple[int, Path]]:
     return sorted(out, key=lambda vp: vp[0])  # v1's memory hierarchy first: v2's is empty where v1 holds it
 
 
-@functools.lru_cache(maxsize=1)
+_HOME_LOCK = threading.Lock()
+
+
 def _cgroup_home() -> _CgroupHome:
-    """Find (once) where per-call memory cgroups can be made: a probe folder is made and removed."""
+    """Where per-call memory cgroups can be made (found once per process, under a lock: the first
+    calls may start together in rollout threads)."""
+    with _HOME_LOCK:
+        return _find_cgroup_home()
+
+
+@functools.lru_cache(maxsize=1)
+def _find_cgroup_home() -> _CgroupHome:
+    """Find where per-call memory cgroups can be made: a probe folder is made and removed."""
     tried = []
     try:
         candidates = _own_cgroup_dirs()
@@ -233,7 +243,7 @@ def _cgroup_home() -> _CgroupHome:
             except OSError as e:
                 tried.append(f"{d}: cannot enable the memory controller for sub-groups ({e.strerror})")
                 continue
-        probe = d / f"stare-call-{os.getpid()}-probe"
+        probe = d / f"stare-call-{os.getpid()}-probe-{threading.get_ident()}"  # unique: calls may start in threads
         try:
             os.mkdir(probe)
             os.rmdir(probe)
