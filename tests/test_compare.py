@@ -243,3 +243,21 @@ def test_every_pass_at_k_panel_has_its_own_legend(tmp_path, monkeypatch):
     legends = [ax.get_legend() for ax in figs[0].axes]
     assert all(lg is not None for lg in legends)
     assert [[t.get_text() for t in lg.get_texts()] for lg in legends] == [["STARE-O1 (seed 1)"], ["GRPO-ds (seed 1)"]]
+
+
+def test_every_evaluation_into_one_folder_is_a_row_of_its_own(cli, tmp_path, quick_toy):
+    """Issue 30, item 14: two `stare eval` runs into one folder (N=1, then N=2) showed as one row,
+    the latest; each evaluation now records an id, and compare shows each, named by what differs.
+    A regrade keeps the ids."""
+    out = tmp_path / "ev"
+    base = ["eval", "--bench", "toy:arith", "--model", str(quick_toy), "--limit", "8", "--out", str(out),
+            "--engine", "hf", "--workers", "0"]
+    assert cli(*base, "-n", "1")[0] == 0
+    assert cli(*base, "-n", "2")[0] == 0
+    code, md, err = cli("compare", str(out), "--format", "md")
+    assert code == 0, err
+    rows = [ln for ln in md.splitlines() if ln.startswith("| arith")]
+    assert len(rows) == 2 and "[N=1]" in rows[0] and "[N=2]" in rows[1], md
+    assert cli("eval", "--regrade", str(out), "--grader", "stare-official", "--workers", "0")[0] == 0
+    code, md, err = cli("compare", str(out), "--format", "md")
+    assert len([ln for ln in md.splitlines() if ln.startswith("| arith")]) == 2, md

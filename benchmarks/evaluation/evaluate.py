@@ -207,9 +207,11 @@ def write_results(out_dir: Path, s: EvalSettings, rows: list[dict], grader: Grad
 
 def evaluate_benchmark(engine, tokenizer, s: EvalSettings, out_dir: Path, grader: Grader,
                        data_file: Optional[str] = None, use_chat_template: bool = True, progress=None,
-                       reflection_words: Optional[list[str]] = None, tools=None, rows: Optional[list[dict]] = None) -> dict:
+                       reflection_words: Optional[list[str]] = None, tools=None, rows: Optional[list[dict]] = None,
+                       evaluation: Optional[str] = None) -> dict:
     """Evaluate one benchmark into out_dir; returns the results dict (also written as results.json).
-    `rows`: the benchmark's problems when already loaded (check_inputs)."""
+    `rows`: the benchmark's problems when already loaded (check_inputs). `evaluation`: the id of the
+    `stare eval` command this is part of (`new_evaluation_id`), recorded in the results."""
     words = reflection_words or REFLECTION_WORDS
     if rows is None:
         rows = load_benchmark(s.bench, limit=s.limit, data_file=data_file)
@@ -219,13 +221,13 @@ def evaluate_benchmark(engine, tokenizer, s: EvalSettings, out_dir: Path, grader
     lock = hold_run_lock(out_dir, "evaluated")  # a second writer of this folder is refused by name
     try:
         return _evaluate_locked(engine, tokenizer, s, out_dir, grader, rows, data, words, use_chat_template,
-                                progress, tools)
+                                progress, tools, evaluation)
     finally:
         lock.close()
 
 
 def _evaluate_locked(engine, tokenizer, s: EvalSettings, out_dir: Path, grader: Grader, rows: list[dict], data: dict,
-                     words, use_chat_template: bool, progress, tools) -> dict:
+                     words, use_chat_template: bool, progress, tools, evaluation: Optional[str] = None) -> dict:
     samples_path = out_dir / "samples.jsonl"
     key = s.key()
     done: dict[tuple[int, int], dict] = {}
@@ -259,7 +261,8 @@ def _evaluate_locked(engine, tokenizer, s: EvalSettings, out_dir: Path, grader: 
     _grade_rows(mine, grader)  # saved samples of another grader: graded; every row's top level: this grader's
     if [(r.get("grader"), r.get("correct")) for r in mine] != before:
         atomic_write_text(samples_path, "".join(json.dumps(r) + "\n" for r in all_rows))
-    return write_results(out_dir, s, mine, grader, words, data, time.time() - t0)
+    return write_results(out_dir, s, mine, grader, words, data, time.time() - t0,
+                         extra={"evaluation": evaluation} if evaluation else None)
 
 
 def _generate_chunks(engine, tokenizer, s: EvalSettings, chunks: list[list[dict]], complete: set[int], key: str,
@@ -309,8 +312,9 @@ def _regrade_folder(bench_dir: Path, grader: Grader) -> dict[str, dict]:
             raise StareError(f"{bench_dir}: no results file records the settings of samples {key}",
                              hint="re-run `stare eval` with the same settings once")
         mine = _grade_rows([r for r in rows if r["key"] == key], grader)
-        s, data = settings[key]
-        out[s.bench] = write_results(bench_dir, s, mine, grader, REFLECTION_WORDS, data)
+        s, data, evaluation = settings[key]
+        out[s.bench] = write_results(bench_dir, s, mine, grader, REFLECTION_WORDS, data,
+                                     extra={"evaluation": evaluation} if evaluation else None)
     atomic_write_text(bench_dir / "samples.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
     return out
 
@@ -326,8 +330,9 @@ def latest_grader_results(bench_dir: Path) -> list[dict]:
         return []
 
 
-def _settings_by_key(bench_dir: Path) -> dict[str, tuple[EvalSettings, dict]]:
-    """Each recorded setting of a benchmark folder, with the data record it was evaluated on."""
+def _settings_by_key(bench_dir: Path) -> dict[str, tuple[EvalSettings, dict, Optional[str]]]:
+    """Each recorded setting of a benchmark folder, with the data record it was evaluated on and the
+    evaluation it was part of (kept by a regrade)."""
     found = {}
     for p in [bench_dir / "results.json", *sorted((bench_dir / "results").glob("*.json"))]:
         if p.exists():
@@ -338,8 +343,16 @@ def _settings_by_key(bench_dir: Path) -> dict[str, tuple[EvalSettings, dict]]:
                 raise StareError(f"{p}: not a results file stare wrote ({type(e).__name__}: {str(e)[:80]})",
                                  hint="remove it, or re-run `stare eval` with the same settings") from None
             data = res.get("data") if isinstance(res.get("data"), dict) else {"source": str(res.get("data"))}
-            found[res["key"]] = (s, data)
+            found[res["key"]] = (s, data, res.get("evaluation"))
     return found
+
+
+def new_evaluation_id() -> str:
+    """An id shared by every results file one `stare eval` command writes (time and a random part), so that
+    `stare compare` shows each evaluation of a folder as its own row."""
+    import uuid
+
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
 
 
 def seed_spread(per_seed: list[dict]) -> dict:
@@ -472,6 +485,7 @@ def run_eval(model: str, benches: list[str], engine_name: str = "auto", n: Optio
     results = {}
     grading = Grader(workers=workers, name=grader)
     console = Console(stderr=True)
+    evaluation = new_evaluation_id()
     try:
         with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console, disable=not console.is_terminal) as prog:
@@ -485,7 +499,8 @@ def run_eval(model: str, benches: list[str], engine_name: str = "auto", n: Optio
                                      seed=sd, engine=engine_name, limit=limit, tools=tools,
                                      dtype=None if dtype == "auto" else dtype)
                     per_seed.append(evaluate_benchmark(engine, tok, s, out / dir_name(b), grading, data_file=data_file,
-                                                       progress=prog, tools=tool_spec, rows=data[b]))
+                                                       progress=prog, tools=tool_spec, rows=data[b],
+                                                       evaluation=evaluation))
                 results[b] = per_seed[0] if len(seeds) == 1 else record_seed_spread(out / dir_name(b), per_seed, grading)
                 if not console.is_terminal:
                     m = results[b]["metrics"]

@@ -36,7 +36,7 @@ from typing import Optional
 
 from benchmarks.data.registry import BENCHMARKS, dir_name
 from benchmarks.evaluation.evaluate import (EvalSettings, _grade_rows, check_inputs, data_digest, data_record,
-                                            write_results)
+                                            new_evaluation_id, write_results)
 from benchmarks.grading.graders import Grader
 from stare_cli.core.errors import StareError, install_hint
 from stare_cli.core.runs import atomic_write_text, hold_run_lock, read_jsonl
@@ -197,6 +197,7 @@ def run(model: str, benches: list[str], out: Path, n: Optional[int], limit: Opti
 
     tok = AutoTokenizer.from_pretrained(model)
     results = {}
+    evaluation = new_evaluation_id()
     with Grader(workers=workers, name=grader) as grading:
         for b in benches:
             spec = BENCHMARKS[b]
@@ -212,7 +213,7 @@ def run(model: str, benches: list[str], out: Path, n: Optional[int], limit: Opti
                        "truncation": "estimated: a response whose re-tokenised length reaches max_tokens counts as cut "
                                      "(lm-eval does not log why generation stopped)"}
             results[b] = _write(out / dir_name(b), s, rows, grading, data_record(b, data[b], s.data, str(files[b])),
-                                time.time() - started, harness)
+                                time.time() - started, harness, evaluation)
     summary = {"model": model, "out": str(out), "grader": grading.tag, "harness": "lm-eval",
                "benchmarks": {b: r["metrics"] for b, r in results.items()}}
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
@@ -250,7 +251,7 @@ def _our_rows(logged: list[dict], problems: list[dict], s: EvalSettings, tok) ->
 
 
 def _write(bench_dir: Path, s: EvalSettings, rows: list[dict], grading: Grader, data: dict, elapsed: float,
-           harness: dict) -> dict:
+           harness: dict, evaluation: str) -> dict:
     """Grade and write one benchmark's samples beside those of other settings, then its results."""
     from benchmarks.evaluation.metrics import REFLECTION_WORDS
 
@@ -261,6 +262,6 @@ def _write(bench_dir: Path, s: EvalSettings, rows: list[dict], grading: Grader, 
         others = [r for r in read_jsonl(path, strict=True) if r.get("key") != s.key()]
         _grade_rows(rows, grading)
         atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in [*others, *rows]))
-        return write_results(bench_dir, s, rows, grading, REFLECTION_WORDS, data, elapsed, extra={"harness": harness})
+        return write_results(bench_dir, s, rows, grading, REFLECTION_WORDS, data, elapsed, extra={"harness": harness, "evaluation": evaluation})
     finally:
         lock.close()

@@ -139,18 +139,49 @@ def load_inputs(paths: list[Path]) -> list[Result]:
             results = _collect_results(p / "eval") if (p / "eval").exists() else {}
             if not results and cfg.get("backend", {}).get("name") == "verl":
                 results = _verl_results(p, cfg, r.metrics_rows)
-        else:
-            results = _collect_results(p)
-            if not results:
-                raise StareError(f"compare: '{p}' is neither a run directory nor holds results.json files")
+            _fill(r, results)
+            out.extend(_per_eval_seed(r, results, p))
+            continue
+        if not _collect_results(p):
+            raise StareError(f"compare: '{p}' is neither a run directory nor holds results.json files")
+        for results in _collect_evaluations(p):  # each `stare eval` into the folder: its own row(s)
             model = next(iter(results.values()))["settings"]["model"]
             r = Result(label=Path(model).name or model, seed=next(iter(results.values()))["settings"].get("seed"),
                        source=str(p), config={"model": model})
-        for b, res in results.items():
-            r.metrics[b] = res["metrics"]
-            r.protocol[b] = _protocol(res)
-        out.extend(_per_eval_seed(r, results, p))
+            _fill(r, results)
+            out.extend(_per_eval_seed(r, results, p))
     return out
+
+
+def _fill(r: Result, results: dict[str, dict]) -> None:
+    for b, res in results.items():
+        r.metrics[b] = res["metrics"]
+        r.protocol[b] = _protocol(res)
+
+
+def _collect_evaluations(folder: Path) -> list[dict[str, dict]]:
+    """bench -> results, once per evaluation written below an evaluation folder (the `evaluation` id
+    every `stare eval` command records), under each benchmark folder's latest grader; newest last.
+    Results written before the id existed form one evaluation of their newest per benchmark."""
+    groups: dict[str, dict[str, tuple[float, dict]]] = {}
+    for f in folder.rglob("results.json"):
+        latest = json.loads(f.read_text())  # readable: _collect_results checked it
+        grader = str(latest.get("grader", "")).split("@")[0]
+        files = [g for g in sorted((f.parent / "results").glob("*.json")) if g.name.split("-", 1)[-1] == f"{grader}.json"]
+        for g in files or [f]:  # a folder without per-setting files: its results.json alone
+            try:
+                res = json.loads(g.read_text())
+            except (OSError, json.JSONDecodeError) as e:
+                raise StareError(f"{g}: unreadable results file ({type(e).__name__})",
+                                 hint="remove it, or run the evaluation again to rewrite it") from None
+            ev, b, t = res.get("evaluation") or "", res.get("benchmark"), g.stat().st_mtime
+            cur = groups.setdefault(ev, {})
+            if b and (b not in cur or t > cur[b][0]):  # within one evaluation: its last seed (with over_seeds)
+                cur[b] = (t, res)
+    if not groups:
+        return [_collect_results(folder)]
+    ordered = sorted(groups.values(), key=lambda g: max(t for t, _ in g.values()))
+    return [{b: res for b, (_, res) in g.items()} for g in ordered]
 
 
 def _per_eval_seed(r: Result, results: dict[str, dict], source: Path) -> list[Result]:
