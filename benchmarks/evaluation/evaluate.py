@@ -171,6 +171,11 @@ def _same_answer():
     return same
 
 
+def results_file(key: str, grader_name: str) -> str:
+    """A setting's results file under one grader, relative to its benchmark folder."""
+    return f"results/{key}-{grader_name}.json"
+
+
 def write_results(out_dir: Path, s: EvalSettings, rows: list[dict], grader: Grader, words, data: dict,
                   elapsed: float = 0.0, extra: Optional[dict] = None) -> dict:
     """Metrics of one setting's rows under one grader (from each row's verdict of this grader, never
@@ -200,7 +205,7 @@ def write_results(out_dir: Path, s: EvalSettings, rows: list[dict], grader: Grad
         "environment": environment_summary(), **(extra or {}),
     }
     text = json.dumps(results, indent=2)
-    atomic_write_text(out_dir / "results" / f"{s.key()}-{grader.spec.name}.json", text)
+    atomic_write_text(out_dir / results_file(s.key(), grader.spec.name), text)
     atomic_write_text(out_dir / "results.json", text)
     return results
 
@@ -364,7 +369,7 @@ def seed_spread(per_seed: list[dict]) -> dict:
     vals = [r["metrics"][f"avg@{n}"] for r in per_seed]
     return {"seeds": [r["settings"]["seed"] for r in per_seed], "metric": f"avg@{n}", "values": vals,
             "mean": statistics.fmean(vals), "std": statistics.stdev(vals),
-            "results": [f"results/{r['key']}-{r['grader'].split('@')[0]}.json" for r in per_seed]}
+            "results": [results_file(r["key"], r["grader"].split("@")[0]) for r in per_seed]}
 
 
 def record_seed_spread(bench_dir: Path, per_seed: list[dict], grader: Grader) -> dict:
@@ -372,7 +377,7 @@ def record_seed_spread(bench_dir: Path, per_seed: list[dict], grader: Grader) ->
     (what `stare compare` reads: one result per seed, mean ± std over them)."""
     res = {**per_seed[-1], "over_seeds": seed_spread(per_seed)}
     text = json.dumps(res, indent=2)
-    atomic_write_text(bench_dir / "results" / f"{res['key']}-{grader.spec.name}.json", text)
+    atomic_write_text(bench_dir / results_file(res["key"], grader.spec.name), text)
     atomic_write_text(bench_dir / "results.json", text)
     return res
 

@@ -56,7 +56,7 @@ from stare_cli.backends.checkpoints import restore_trainer_state, save_checkpoin
 from stare_cli.backends.forward import pack, token_logprobs_entropy
 from stare_cli.core.config import Recipe
 from stare_cli.core.errors import StareError, install_hint
-from stare_cli.core.resume import ResumePlan, no_checkpoint_error, set_aside
+from stare_cli.core.resume import ResumePlan, finished_note, no_checkpoint_error, set_aside
 from stare_cli.core.runs import (append_jsonl, atomic_write_text, clean_stale_temporaries, hold_run_lock, new_run_dir,
                                  read_jsonl, record_config, usable_checkpoint, write_run_meta)
 from stare_cli.core.signals import StopAtStepBoundary
@@ -497,9 +497,7 @@ def finished_already(run: RunHandle, total_steps: int) -> bool:
     optim.total_steps: there is nothing to train, and exiting 0 without a word would look like work."""
     if run.ckpt is None or int(run.ckpt.name[5:]) < total_steps:
         return False
-    print(f"note: {run.run_dir} is finished: its checkpoint {run.ckpt.name} is at optim.total_steps "
-          f"({total_steps}); nothing to train (to go on: --resume it with -o optim.total_steps=N, N > "
-          f"{total_steps}; to start over: --restart)", file=sys.stderr)
+    print(finished_note(run.run_dir, total_steps) + f" [{run.ckpt.name}]", file=sys.stderr)
     run.lock.close()
     return True
 

@@ -598,9 +598,9 @@ def run(cfg: Recipe, out_root: Path, dry_run: bool = False, emit_script: Optiona
         else:
             resumed_at, used_data = resume_point(run_dir)
             if resumed_at >= cfg.optim.total_steps and not (dry_run or emit_script):
-                print(f"note: {run_dir} is finished: its checkpoint is at optim.total_steps ({cfg.optim.total_steps}); "
-                      f"nothing to train (to go on: --resume it with -o optim.total_steps=N, N > "
-                      f"{cfg.optim.total_steps}; to start over: --restart)", file=sys.stderr)
+                from stare_cli.core.resume import finished_note
+
+                print(finished_note(run_dir, cfg.optim.total_steps), file=sys.stderr)
                 return run_dir
             data_dir = data_dir or used_data
             rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("step", 0) <= resumed_at]

@@ -83,6 +83,12 @@ def set_aside(run_dir: Path, names: tuple[str, ...] = ("metrics.jsonl", "train.l
     return dest
 
 
+def finished_note(run_dir: Path, total_steps: int) -> str:
+    """What `--resume` of a run already at optim.total_steps says (both backends): nothing to train."""
+    return (f"note: {run_dir} is finished: its checkpoint is at optim.total_steps ({total_steps}); nothing to "
+            f"train (to go on: --resume it with -o optim.total_steps=N, N > {total_steps}; to start over: --restart)")
+
+
 def no_checkpoint_error(run_dir: Path, skipped: list[str]) -> StareError:
     why = "; ".join(skipped) if skipped else "it stopped before its first checkpoint"
     return StareError(f"--resume: {run_dir} has no usable checkpoint ({why})",
