@@ -32,7 +32,7 @@ def test_the_pool_and_the_cache_agree_with_grading_in_process():
         pooled = g.grade_many([c["response"] for c in CASES], [c["gold"] for c in CASES])
         again = g.grade_many([c["response"] for c in CASES], [c["gold"] for c in CASES])  # from the cache
     assert [v.correct for v in pooled] == [v.correct for v in again] == [c["correct"] for c in CASES]
-    assert all(v.grader == "math-verify@4" for v in pooled)
+    assert all(v.grader == "math-verify@5" for v in pooled)
 
 
 def test_ours_never_loses_a_case_plain_math_verify_gets_right():
@@ -57,3 +57,44 @@ def test_numbers_compare_with_relative_tolerance():
     assert grade("\\boxed{123456.7}", "123456.7000001").correct  # within 1e-6 relative
     assert not grade("\\boxed{1e-9}", "2e-9").correct  # math-verify's 6 decimals would call these equal
     assert not grade("\\boxed{0}", "0.0000001").correct
+
+
+def test_another_librarys_parametrized_cases_are_collected_and_graded(tmp_path):
+    """benchmarks/evaluation/external_suite.py on a test file written like Math-Verify's: the cases of
+    every parametrized test with gold/pred/expected arguments, options counted apart."""
+    from benchmarks.evaluation.external_suite import agreement, collect
+
+    f = tmp_path / "test_other.py"
+    f.write_text(
+        "import pytest\n"
+        "def compare_strings(gold, pred, match_types=None, precision=6):\n"
+        "    return 1\n"
+        "@pytest.mark.parametrize('gold,pred,expected', [('$5$', 'so $5$', 1), ('$5$', 'so $6$', 0), ('7', '\\\\boxed{8}', 1)])\n"
+        "def test_plain(gold, pred, expected):\n"
+        "    assert compare_strings(gold, pred, match_types=['latex', 'expr']) == expected\n"
+        "@pytest.mark.parametrize('gold, pred, expected, precision', [('0.5', '0.50001', 1, 4), ('2', '2', 1, 6)])\n"
+        "def test_prec(gold, pred, expected, precision):\n"
+        "    assert compare_strings(gold, pred, precision=precision) == expected\n"
+        "@pytest.mark.parametrize('gold,pred,expected', [('1', '1', 1)])\n"
+        "def test_expr_only(gold, pred, expected):\n"
+        "    assert compare_strings(gold, pred, match_types=['expr']) == expected\n"
+        "@pytest.mark.parametrize('x', [1, 2])\n"
+        "def test_unrelated(x):\n"
+        "    pass\n")
+    cases = collect(f)
+    assert [(c.test, c.gold, c.pred, c.expected, c.options) for c in cases] == [
+        ("test_expr_only", "1", "1", True, "match_types=['expr']"),
+        ("test_plain", "$5$", "so $5$", True, ""),
+        ("test_plain", "$5$", "so $6$", False, ""),
+        ("test_plain", "7", "\\boxed{8}", True, ""),  # a wrong expectation: ours must disagree
+        ("test_prec", "0.5", "0.50001", True, "precision=4"),
+        ("test_prec", "2", "2", True, ""),  # precision 6 is the default
+    ]
+    res = agreement(cases, workers=0)
+    # ours: 1=1 yes (agree), 5=5 yes (agree), 6!=5 (agree), 8!=7 (disagree), 0.50001 vs 0.5 is beyond
+    # our relative 1e-6 (disagree: the option case), 2=2 (agree) -> 4 of 6; without options 4 of 4... minus
+    # the wrong expectation: 3 of 4 plain cases (test_plain x3 + test_prec's 2), 1 of 2 option cases.
+    assert (res["agree"], res["cases"]) == (4, 6)
+    assert res["without_options"] == {"cases": 4, "agree": 3}
+    assert res["with_options"] == {"cases": 2, "agree": 1}
+    assert [d["pred"] for d in res["disagreements"]] == ["\\boxed{8}", "0.50001"]

@@ -67,12 +67,15 @@ _BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _PHRASE = re.compile(r"(?:final answer|the answer|answer)\s*(?:is|:)", re.IGNORECASE)
 # Inline or display math; an escaped dollar (`\\$`, currency) is text, never a delimiter.
 _INLINE = re.compile(r"(?<!\\)\$\$(.+?)(?<!\\)\$\$|(?<!\\)\$(.+?)(?<!\\)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]", re.DOTALL)
-_NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?")
+# A number in prose: thousands groups (1,000.5), a decimal comma (2,74; 0,111), a fraction (3/4)
+# (not inside a word: "AZYUK2A" holds no number), a leading decimal point (.4)
+_NUMBER = re.compile(r"(?<![A-Za-z\d.])-?(?:\d+(?:(?:,\d{3})+(?![\d,])(?:\.\d+)?|,\d+(?![\d,])|\.\d+)?|\.\d+)(?:/\d+)?")
 _INT = re.compile(r"^[-+]?\d+$")
 _CHOICE = re.compile(r"^(?:\\textbf\{\s*\(?[A-E]\)?\s*\}|\\text\{\s*\(?[A-E]\)?\s*\}|\([A-E]\))\s*(?:\\[ ,;:!]|~|\\quad)?\s*(\S.*)$")
 # Thousands separators: 1,000 or 12,345.5 (the first group does not start with 0: 0,111 is a decimal comma)
 _THOUSANDS = re.compile(r"^[-+]?[1-9]\d{0,2}(?:,\d{3})+(?:\.\d+)?$")
 _DECIMAL_COMMA = re.compile(r"^[-+]?\d+,\d+$")
+_NO_SPACE = re.compile(r"(?<!,)\s+(?!,)")
 _PLAIN_NUMBER = re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?$")
 _SCI = re.compile(r"(?<![\w.])(-?\d+(?:\.\d+)?)[eE]([-+]?\d+)(?![\w.])")
 _TIMES10 = re.compile(r"^([-+]?\d+(?:\.\d+)?)\s*\\(?:times|cdot)\s*10\^\{?([-+]?\d+)\}?$")
@@ -122,10 +125,17 @@ def _answer_like(s: str) -> bool:
     return bool(re.search(r"[\d$\\^_=+\-*/()\[\]{}<>]", s)) or len(s) <= 3
 
 
+def _prose(s: str) -> bool:
+    """Whether `s` reads as a sentence: two or more words of letters that are not LaTeX commands
+    ("The largest $n$ is 34"; not "\\left( \\frac{1}{5}, \\frac{1}{6} \\right)")."""
+    return len(s.split()) >= 3 and len(re.findall(r"(?<![\\A-Za-z])[A-Za-z]{2,}", _INLINE.sub(" ", s))) >= 2
+
+
 def _reduce_sentence(s: str) -> str:
     """A stated answer written as a sentence ("The largest $n$ is 34") reduced to what it states:
-    the part after its last " is " / " = " / " equals ", then its last inline math or last number."""
-    if len(s.split()) < 3:
+    the part after its last " is " / " = " / " equals ", then its last inline math or last number.
+    Math with spaces in it is not a sentence and stays whole."""
+    if not _prose(s):
         return s
     tail = re.split(r"\s(?:is|=|equals|are)\s", s)[-1].strip()
     maths = [next(g for g in m.groups() if g is not None) for m in _INLINE.finditer(tail)]
@@ -158,8 +168,12 @@ def _stated_answer(text: str) -> tuple[Optional[str], int]:
     m = _INLINE.fullmatch(line)
     if m:
         line = next(g for g in m.groups() if g is not None)
-    line = line.strip().strip("$").strip().rstrip(".").strip()
-    line = _reduce_sentence(line)
+    line = line.strip()
+    if m or line.count("$") < 2:  # a lone dollar is a currency sign; a pair is math kept for below
+        line = line.strip("$").strip()
+    line = line.rstrip(".").strip()
+    if not m:  # a math span is the answer as written, never a sentence to reduce
+        line = _reduce_sentence(line)
     if not line or not _answer_like(line):
         return None, -1
     return line, last.start()
@@ -193,7 +207,8 @@ def extract_candidates(response: str, boxed_only: bool = False) -> tuple[list[st
         return [maths[-1].strip()], "inline-math"
     nums = _NUMBER.findall(text)
     if nums:
-        return [nums[-1].replace(",", "")], "last-number"
+        last = nums[-1]
+        return [last.replace(",", "") if _THOUSANDS.match(last) else last], "last-number"
     return [], "none"
 
 
@@ -214,7 +229,7 @@ def _normalise(s: str) -> str:
 
 def _number(s: str) -> Optional[float]:
     """A plain number (digits, a decimal point, an exponent; 1,000 and 4.5\\times10^{3} too), else None."""
-    t = s.replace(" ", "")
+    t = _NO_SPACE.sub("", s)
     if _THOUSANDS.match(t):
         t = t.replace(",", "")
     m = _TIMES10.match(t)
@@ -229,7 +244,8 @@ def _cheap(answer: str, gold: str) -> Optional[str]:
     a, g = _normalise(answer), _normalise(gold)
     if a == g:
         return "exact"
-    a2, g2 = a.replace(" ", ""), g.replace(" ", "")
+    # Spaces go, except beside a comma: "32, 349" is a list of two numbers, "32,349" one number.
+    a2, g2 = _NO_SPACE.sub("", a), _NO_SPACE.sub("", g)
     a2 = a2.replace(",", "") if _THOUSANDS.match(a2) else a2
     g2 = g2.replace(",", "") if _THOUSANDS.match(g2) else g2
     if _INT.match(a2) and _INT.match(g2):
@@ -258,8 +274,19 @@ def _math_verify(answer: str, gold: str, timeout: int) -> bool:
     return bool(g) and bool(verify(g, p, timeout_seconds=timeout))
 
 
+def gold_answer(gold: str) -> str:
+    """The gold answer: as given, or the last closed box of a gold that is a worked solution
+    (a gold with a \\boxed{}, as Math-Verify's tests and some datasets give it): the boxes' contents."""
+    if "\\boxed" in gold or "\\fbox" in gold:
+        found, _ = boxes(gold)
+        if found:  # several boxes are one answer together (\\boxed{1}\\boxed{2}: "1, 2")
+            return ", ".join(b.content for b in found)
+    return gold
+
+
 def judge(answer: str, gold: str, timeout: int = 5) -> tuple[bool, str]:
     """(correct, reason) for one extracted answer against the gold."""
+    gold = gold_answer(gold)
     if len(answer) > MAX_ANSWER_CHARS:
         return False, "too-long"
     quick = _cheap(answer, gold)
@@ -281,6 +308,7 @@ def judge(answer: str, gold: str, timeout: int = 5) -> tuple[bool, str]:
 
 def _quick(key: str, gold: str) -> Optional[str]:
     """A verdict for a cache key (the candidates) without a worker, or None."""
+    gold = gold_answer(gold)
     reasons = []
     for c in key.split(SEP):
         if len(c) > MAX_ANSWER_CHARS:
@@ -382,7 +410,7 @@ class GraderSpec:
 
 
 GRADERS: dict[str, GraderSpec] = {g.name: g for g in [
-    GraderSpec("math-verify", 4, "ours: final box (or a later stated answer, or inline math, or the last number), "
+    GraderSpec("math-verify", 5, "ours: final box (or a later stated answer, or inline math, or the last number), "
                "normalised, then math-verify", key=_candidates_key, judge=grade, quick=_quick),
     GraderSpec("math-verify-plain", 1, "math-verify's defaults on the whole response",
                key=lambda r, b: (r[-MAX_RESPONSE_CHARS:], "whole-response"), judge=_plain_math_verify),
