@@ -294,3 +294,17 @@ def test_forward_layouts_leave_the_training_step_unchanged(cli, tmp_path, quick_
     assert {"entropy", "loss", "grad_norm", "stare/sel_pos", "actor/clip_frac"} <= set(keys)
     torch.testing.assert_close(torch.tensor([rows[on][k] for k in keys], dtype=torch.float32),
                                torch.tensor([rows[off][k] for k in keys], dtype=torch.float32))
+
+
+def test_the_official_layout_trains_on_the_toy(cli, tmp_path, quick_toy):
+    """optim.loss_layout: official through the CLI: 16 responses per mini-batch over 4 emulated ranks,
+    each rank's micro-batches by verl 0.7's rule (tests/test_official_layout.py checks the loss path)."""
+    run = _train(cli, tmp_path, quick_toy, "stare-c2", "optim.total_steps=2", "method.dynamic_sampling=false",
+                 "optim.loss_layout=official", "optim.official_ranks=4", "optim.micro_batch_tokens=80")
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    # 2 mini-batches per step, each at least one micro-batch on each of 4 ranks
+    assert all(r["micro_batches"] >= 8 for r in rows)
+    assert all(torch.isfinite(torch.tensor(r["loss"])) and r["grad_norm"] > 0 for r in rows)
+    assert any(r["stare/sel_pos"] > 0 for r in rows)
+    assert "loss_layout: official" in (run / "config.yaml").read_text()

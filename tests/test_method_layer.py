@@ -38,7 +38,7 @@ def _rollout(seed: int, groups: int = 6, n: int = 4, T: int = 40, noise: float =
 
 
 def _layer(method: str, scope: str, tokens) -> MethodLayer:
-    o = ["rollout.refill=per_group", "method.stare.h_tgt=10", "method.stare.P=0.2", "method.stare.W=1.5",
+    o = ["rollout.refill=per_group", "optim.loss_layout=global", "method.stare.h_tgt=10", "method.stare.P=0.2", "method.stare.W=1.5",
          "method.stare.M=0.7", f"method.stare.scope={scope}", f"optim.micro_batch_tokens={'null' if tokens is None else tokens}",
          "optim.micro_batch_size=6", "optim.train_batch_size=6", "optim.mini_batch_size=6", "rollout.n=4",
          "rollout.max_prompt_tokens=12", "rollout.max_response_tokens=40", "eval.benchmarks=[]",

@@ -53,7 +53,7 @@ def _pair(method: str):
     if not path.exists():
         pytest.skip(f"needs the official runs' configuration in {OFFICIAL} (../shared is not beside this clone)")
     official = json.loads(path.read_text())
-    conf = compose(verl_overrides(load_recipe("short-cot/qwen2.5-math-7b", method, ["rollout.refill=per_group"])))
+    conf = compose(verl_overrides(load_recipe("short-cot/qwen2.5-math-7b", method, [])))
     return official, flatten(OmegaConf.to_container(conf, resolve=True)), conf
 
 

@@ -23,7 +23,7 @@ from stare_cli.core.resolve import load_recipe
 
 SCENARIOS = ["short-cot/qwen2.5-math-7b", "short-cot/qwen2.5-14b-instruct", "short-cot/qwen2.5-32b",
              "long-cot/r1-distill-qwen-1.5b", "long-cot/qwen3-8b", "tool-use/qwen2.5-7b"]
-PER_GROUP = ["rollout.refill=per_group"]  # verl 0.9's V1 trainer refills per dropped group
+PER_GROUP = ["rollout.refill=per_group", "optim.loss_layout=global"]  # verl 0.9's V1 refill; verl runs verl's own loss layout
 
 
 def _leaves(model, prefix=()):
@@ -40,6 +40,8 @@ def _leaves(model, prefix=()):
 def _get(conf, dotted):
     node = conf
     for k in dotted.split("."):
+        if k not in node:  # a key only some recipes write (e.g. our sampler's kwargs)
+            return None
         node = node[k]
     return node
 
@@ -120,6 +122,12 @@ PROBES = [
     ("checkpoint.every=3", {"trainer.save_freq": 3}),
     ("checkpoint.keep_last=5", {"trainer.max_actor_ckpt_to_keep": 5}),
     ('backend.verl.extra_overrides=["trainer.balance_batch=False"]', {"trainer.balance_batch": False}),
+    # the official generation batches (rollout.refill: gen_batches, the paper default): our verl sampler
+    ("rollout.refill=gen_batches", {"trainer.v1.sampler.custom_sampler.name": "OfficialGenBatches",
+                                    "trainer.v1.sampler.custom_sampler.path": "pkg://stare_cli.backends.verl_sampler",
+                                    "trainer.v1.sampler.sampler_kwargs.gen_batch_size": 192,
+                                    "trainer.v1.sampler.sampler_kwargs.max_gen_batches": 10,
+                                    "algorithm.filter_groups.max_num_gen_batches": 10, "data.gen_batch_size": 1}),
 ]
 
 
@@ -136,7 +144,8 @@ def test_each_translated_key_reaches_verls_config(override, expect):
 
 
 @pytest.mark.parametrize("override,key", [
-    ("rollout.refill=gen_batches", "rollout.refill"),
+    ("rollout.on_short_batch=train", "rollout.on_short_batch"),
+    ("backend.verl.nnodes=3", "optim.official_ranks"),  # 16 official ranks do not split over 24 GPUs
     ("rollout.truncated=mask", "rollout.truncated"),
     ("optim.schedule=linear", "optim.schedule"),
     ("data.template=r1", "data.template"),
@@ -146,12 +155,14 @@ def test_each_translated_key_reaches_verls_config(override, expect):
     ("eval.n=null", "eval.n"),
 ])
 def test_values_verl_cannot_honour_fail_validation_by_name(cli, override, key):
-    extra = ["-o", "eval.benchmarks=[aime24,math500]"] if key == "eval.n" else []
+    extra = {"eval.n": ["-o", "eval.benchmarks=[aime24,math500]"],
+             "rollout.on_short_batch": ["-o", "rollout.refill=gen_batches"],
+             "optim.official_ranks": ["-o", "optim.loss_layout=official"]}.get(key, [])
     code, out, err = cli("recipes", "validate", "short-cot/qwen2.5-math-7b", "--backend", "verl",
-                         "-o", "rollout.refill=per_group", "-o", override, *extra)
+                         "-o", "rollout.refill=per_group", "-o", "optim.loss_layout=global", "-o", override, *extra)
     assert code == 1 and f"{key}: " in err, err
     code, out, err = cli("train", "-r", "short-cot/qwen2.5-math-7b", "-m", "stare-o1", "--backend", "verl", "--dry-run",
-                         "-o", "rollout.refill=per_group", "-o", override, *extra)
+                         "-o", "rollout.refill=per_group", "-o", "optim.loss_layout=global", "-o", override, *extra)
     assert code == 1 and err.startswith(f"error: {key}: the verl backend cannot honour") and len(err.splitlines()) == 1
 
 
@@ -211,9 +222,14 @@ def test_driver_step_runs_the_method_layer():
 
 def test_dry_run_and_job_script(cli, tmp_path):
     code, out, err = cli("train", "--recipe", "short-cot/qwen2.5-math-7b", "--method", "stare-o1",
-                         "--backend", "verl", "--dry-run", "-o", "rollout.refill=per_group")
+                         "--backend", "verl", "--dry-run", "-o", "optim.loss_layout=global")
     assert code == 0, err
     lines = out.strip().splitlines()
+    # the official dynamic sampling, no override needed: 192-prompt generation batches, at most 10
+    assert "trainer.v1.sampler.custom_sampler.name=OfficialGenBatches" in lines
+    assert "+trainer.v1.sampler.sampler_kwargs.gen_batch_size=192" in lines
+    assert "+trainer.v1.sampler.sampler_kwargs.max_gen_batches=10" in lines
+    assert "algorithm.filter_groups.metric=acc" in lines
     assert "# stare: variant=o1 scope=official P=0.1 W=1.1 M=0.9 h_tgt=0.3 adaptive=False alpha=0.01 w_max=1.5 m_min=0.5" in lines
     assert any(line.startswith("# reward: stare-official") for line in lines)
     assert "actor_rollout_ref.actor.clip_ratio_high=0.28" in lines
@@ -226,7 +242,7 @@ def test_dry_run_and_job_script(cli, tmp_path):
     (data / "train.parquet").touch()  # checked for, not read, when the script is written
     code, out, err = cli("train", "--recipe", "short-cot/qwen2.5-math-7b", "--method", "stare-o1", "--backend", "verl",
                          "--emit-script", str(script), "--shared-dir", str(tmp_path / "shared"),
-                         "-o", "rollout.refill=per_group")
+                         "-o", "rollout.refill=per_group", "-o", "optim.loss_layout=global")
     assert code == 0, err
     assert Path(out.strip()).parent == tmp_path / "shared" / "runs"
     text = script.read_text()

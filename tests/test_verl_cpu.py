@@ -1,6 +1,7 @@
 """verl's real trainer (main_ppo, V1 trainer, FSDP2, agent-loop rollout, reward loop, TransferQueue)
 end to end on CPU through `stare train --backend verl --device cpu`, through the method layer: the
-official STARE reward (`reward.fn: stare-official`, our reward manager) and the official selection
+official STARE reward (`reward.fn: stare-official`, our reward manager), the official generation
+batches (our verl sampler), the official loss layout (4 emulated ranks) and the official selection
 scope (inside verl's loss calls). STARE-O1 and GRPO-ds, 2 steps each on the tiny toy model, validation
 before and after, a checkpoint with the controller's state, and a resumed third step.
 
@@ -20,10 +21,14 @@ W = 10.0
 N = 4  # responses per prompt
 
 SMALL = [
-    f"rollout.n={N}", "rollout.gen_batch_size=4", "rollout.max_gen_batches=4", "optim.train_batch_size=4",
+    f"rollout.n={N}", "rollout.gen_batch_size=6", "rollout.max_gen_batches=4", "optim.train_batch_size=4",
     "optim.mini_batch_size=4", "optim.micro_batch_size=16", "optim.total_steps=2", "eval.limit=8", "eval.n=2",
     "eval.every=2", "checkpoint.every=2", "method.stare.h_tgt=10", f"method.stare.W={W}",
-    "rollout.refill=per_group", "reward.fn=stare-official", "method.stare.scope=official",
+    # the official dynamic sampling: generation batches of 6 prompts, at most 4, the first 4 kept groups
+    "rollout.refill=gen_batches", "rollout.on_short_batch=error",
+    # the official loss layout: 16 responses over 4 emulated ranks, verl 0.7's micro-batches of 100 tokens
+    "optim.loss_layout=official", "optim.official_ranks=4", "optim.micro_batch_tokens=100",
+    "reward.fn=stare-official", "method.stare.scope=official",
     # the rollout server returns its log-probs, so verl compares them with the actor's (weight sync)
     'backend.verl.extra_overrides=["actor_rollout_ref.rollout.calculate_log_probs=True"]',
 ]
@@ -72,6 +77,14 @@ def test_verl_trains_two_steps_on_cpu_with_stare_active(verl_run):
         assert r["reward"] == pytest.approx(r["acc"])  # the official managers train on acc
         for key in ("reward", "grad_norm", "len/mean", "timing_s/step", "reflection_rate"):
             assert key in r, key
+        # the official generation batches (our verl sampler): a full train batch of 4 groups, from whole
+        # generation batches of 6 prompts (the dropped and the surplus groups add up to what was drawn)
+        assert r["train_groups"] == 4 and 1 <= r["gen_batches"] <= 4
+        assert r["train_groups"] + r["groups_dropped"] + r["groups_surplus"] == 6 * r["gen_batches"]
+        # the official loss layout: the actor ran exactly our loss calls (one real rank, one mini-batch:
+        # the calls' scales sum to 1, so their mean, as verl averages loss statistics, is 1 / calls)
+        assert r["layout/loss_calls"] >= 4
+        assert r["actor/layout/scale"] == pytest.approx(1 / r["layout/loss_calls"], rel=1e-6)
         # The HF rollout server samples from the weights the actor just pushed: its log-probs match
         # the actor's old-log-prob pass (both fp32) at every step, the second included.
         assert r["training/rollout_probs_diff_max"] < 1e-3
@@ -140,7 +153,9 @@ def test_grpo_ds_trains_on_verl_through_the_same_layer_with_fp32_master_weights(
     weight (bf16 weights near 0.05 have a resolution of ~4e-4 and would barely move)."""
     from safetensors.torch import load_file
 
-    run = _train(verl_tmp, quick_toy, "grpo-ds", "optim.precision=bf16", "optim.lr=1e-6")
+    # verl's own replay buffer (one prompt per dropped group) and verl's own loss layout
+    run = _train(verl_tmp, quick_toy, "grpo-ds", "optim.precision=bf16", "optim.lr=1e-6",
+                 "rollout.refill=per_group", "optim.loss_layout=global", "optim.micro_batch_tokens=null")
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "actor/pg_loss" in r]
     assert [r["step"] for r in train] == [1, 2]

@@ -84,8 +84,8 @@ def test_emitted_job_runs_on_a_ray_cluster(cli, tmp_path, quick_toy, ray_head):
 
 def test_emit_script_needs_a_shared_directory(cli, tmp_path):
     code, _, err = cli("train", "-r", "tiny/arith", "-m", "stare-o1", "--backend", "verl", "--device", "cpu",
-                       "--emit-script", str(tmp_path / "job.sh"), "-o", "rollout.refill=per_group")
+                       "--emit-script", str(tmp_path / "job.sh"), "-o", "rollout.refill=per_group", "-o", "optim.loss_layout=global")
     assert code == 1 and "--emit-script needs a directory every node of the cluster sees" in err
     code, _, err = cli("train", "-r", "tiny/arith", "-m", "stare-o1", "--backend", "verl",
-                       "-o", "backend.verl.shared_dir=relative/path", "-o", "rollout.refill=per_group", "--dry-run")
+                       "-o", "backend.verl.shared_dir=relative/path", "-o", "rollout.refill=per_group", "-o", "optim.loss_layout=global", "--dry-run")
     assert code == 1 and "backend.verl.shared_dir" in err and "absolute" in err

@@ -336,8 +336,7 @@ class OldPass:
     `current` for step 6)."""
 
     batch: dict
-    minis: list[list[int]]  # rows per mini-batch
-    parts: dict[tuple, list[list[int]]]  # mini-batch -> its micro-batches (rows)
+    plan: list[list[Any]]  # per mini-batch, its loss calls (baselines.micro_batches.LossCall)
     old_logp: Any
     entropy: Any
     current: Optional[tuple] = None  # (log-probs, entropies) with grad when fused
@@ -600,20 +599,17 @@ def old_pass(policy: Policy, layer, ro: StepRollouts, cfg: Recipe) -> OldPass:
     batch = pack(samples, policy.tok.pad_token_id, policy.device)
     lengths = batch["seq_len"].tolist()
     t_start = time.perf_counter()
-    per_mini = O.mini_batch_size * R.n
-    minis = [list(range(m0, min(m0 + per_mini, len(samples)))) for m0 in range(0, len(samples), per_mini)]
-    parts = {tuple(mini): [[mini[i] for i in mb] for mb in layer.micro_batches([lengths[i] for i in mini])]
-             for mini in minis}
+    plan = layer.update_plan(lengths)
     share = (policy.device.type == "cpu") if E.share_prompts == "auto" else E.share_prompts
-    if O.ppo_epochs == 1 and len(minis) == 1 and len(parts[tuple(minis[0])]) == 1:
+    if O.ppo_epochs == 1 and len(plan) == 1 and len(plan[0]) == 1:
         with policy.autocast():
-            lp, en = token_logprobs_entropy(policy.model, batch, minis[0], R.temperature, buckets=E.length_buckets,
-                                            share_prompts=share)
-        return OldPass(batch, minis, parts, lp.detach().float(), en.detach().float(), (lp, en), t_start)
+            lp, en = token_logprobs_entropy(policy.model, batch, plan[0][0].rows, R.temperature,
+                                            buckets=E.length_buckets, share_prompts=share)
+        return OldPass(batch, plan, lp.detach().float(), en.detach().float(), (lp, en), t_start)
     old_logp, entropy = old_logprobs_and_entropy(
-        policy.model, batch, [mb for mini in minis for mb in parts[tuple(mini)]], R.temperature, policy.autocast,
+        policy.model, batch, [c.rows for calls in plan for c in calls], R.temperature, policy.autocast,
         E.length_buckets, share)
-    return OldPass(batch, minis, parts, old_logp, entropy, None, t_start)
+    return OldPass(batch, plan, old_logp, entropy, None, t_start)
 
 
 def old_pass_metrics(old: OldPass, ro: StepRollouts) -> dict[str, float]:
@@ -640,11 +636,11 @@ def controller_and_transform(layer, ro: StepRollouts, old: OldPass) -> tuple[Tra
 # ---------------------------------------------------------------------------------- 6. updates
 def ppo_updates(policy: Policy, layer, old: OldPass, tb: TrainBatch, cfg: Recipe, step: int,
                 rollout: Rollout) -> dict[str, float]:
-    """ppo_epochs passes over the mini-batches: per mini-batch, the method layer's loss on each
-    micro-batch (gradients accumulate), grad clip, one optimizer step; then one LR schedule step."""
+    """ppo_epochs passes over the mini-batches: per mini-batch, the method layer's loss on each of
+    its loss calls (normalised and scaled as the layer's plan says; gradients accumulate), grad clip,
+    one optimizer step; then one LR schedule step."""
     import torch
 
-    from baselines import Agg
     from stare_cli.method.layer import LossInputs
 
     R, O, E = cfg.rollout, cfg.optim, cfg.backend.embedded
@@ -654,11 +650,12 @@ def ppo_updates(policy: Policy, layer, old: OldPass, tb: TrainBatch, cfg: Recipe
     stats: dict[str, list[float]] = {}
     grad_norms = []
     for _epoch in range(O.ppo_epochs):
-        for mini in old.minis:
-            agg = Agg(layer.cfg.loss_agg, num_tokens=max(float(bt.mask[mini].sum()), 1.0),
-                      num_seqs=max(float((bt.mask[mini].sum(-1) > 0).sum()), 1.0), scale=R.max_response_tokens)
+        for calls in old.plan:
+            mini = [i for c in calls for i in c.rows]
             opt.zero_grad(set_to_none=True)
-            for idx in old.parts[tuple(mini)]:
+            mini_loss = 0.0  # the mini-batch's loss: the sum of its calls' (scaled) losses
+            for call in calls:
+                idx = call.rows
                 if old.fused:
                     lp, en = old.current
                 else:
@@ -668,12 +665,14 @@ def ppo_updates(policy: Policy, layer, old: OldPass, tb: TrainBatch, cfg: Recipe
                                                         buckets=E.length_buckets, share_prompts=share)
                 loss, st = layer.loss(LossInputs(
                     log_prob=lp.float(), old_log_prob=old.old_logp[idx], advantages=bt.advantages[idx],
-                    mask=bt.mask[idx], agg=agg, entropy=None if en is None else en.float(),
+                    mask=bt.mask[idx], agg=layer.call_agg(call, bt.mask, mini), entropy=None if en is None else en.float(),
                     stare=tb.stare_state, generator=gen))
+                loss = loss * call.scale if call.scale != 1.0 else loss
                 (scaler.scale(loss) if scaler else loss).backward()
                 for k, v in st.items():
                     stats.setdefault(k, []).append(float(v))
-                stats.setdefault("loss", []).append(float(loss.detach()))
+                mini_loss += float(loss.detach())
+            stats.setdefault("loss", []).append(mini_loss)
             if scaler:
                 scaler.unscale_(opt)
             grad_norms.append(float(torch.nn.utils.clip_grad_norm_(policy.model.parameters(), O.grad_clip)))
@@ -688,7 +687,7 @@ def ppo_updates(policy: Policy, layer, old: OldPass, tb: TrainBatch, cfg: Recipe
     metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
     for k, v in stats.items():
         metrics[k if k == "loss" or k.startswith("stare/") else f"actor/{k}"] = sum(v) / len(v)
-    metrics["micro_batches"] = sum(len(p) for p in old.parts.values())
+    metrics["micro_batches"] = sum(len(calls) for calls in old.plan)
     return metrics
 
 

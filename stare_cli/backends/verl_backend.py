@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 EXT_MODULE = "stare_cli.backends.verl_ext"
 LOSS_MODE = "stare_layer"  # our policy loss in verl's registry: the method layer's loss
 REWARD_MANAGER = ("pkg://stare_cli.backends.verl_reward", "StareRewardManager")
+SAMPLER = ("pkg://stare_cli.backends.verl_sampler", "OfficialGenBatches")  # verl_sampler.py (imports verl)
 A = "actor_rollout_ref.actor"
 R_ = "actor_rollout_ref.rollout"
 
@@ -100,18 +101,36 @@ def _micro_batches(cfg: Recipe) -> dict[str, Any]:
 
 def _dynamic_sampling(cfg: Recipe) -> dict[str, Any]:
     on = cfg.method.dynamic_sampling
-    # verl's V1 trainer forces gen_batch_size to 1 with group filtering and ignores max_num_gen_batches:
+    R = cfg.rollout
+    if on and R.refill == "gen_batches":
+        # The official generation batches through our verl sampler (verl_sampler.py). verl forces
+        # data.gen_batch_size to 1 whenever groups are filtered (its refills are per prompt): we write 1, what
+        # it runs with; the sampler dispatches whole generation batches through those refills.
+        return {"algorithm.filter_groups.enable": True, "algorithm.filter_groups.metric": "acc",
+                "algorithm.filter_groups.max_num_gen_batches": R.max_gen_batches, "data.gen_batch_size": 1,
+                "trainer.v1.sampler.custom_sampler.path": SAMPLER[0],
+                "trainer.v1.sampler.custom_sampler.name": SAMPLER[1],
+                "+trainer.v1.sampler.sampler_kwargs.gen_batch_size": R.gen_batch_size,
+                "+trainer.v1.sampler.sampler_kwargs.max_gen_batches": R.max_gen_batches,
+                "+trainer.v1.sampler.sampler_kwargs.metric": "acc"}
+    # verl's own replay buffer: gen_batch_size forced to 1 with group filtering, max_num_gen_batches ignored;
     # we write what it runs with, so the effective config is the written one.
     return {"algorithm.filter_groups.enable": on, "algorithm.filter_groups.metric": "acc",
             "algorithm.filter_groups.max_num_gen_batches": 0,
             "data.gen_batch_size": 1 if on else cfg.optim.train_batch_size}
 
 
+def _real_ranks(cfg: Recipe) -> int:
+    """verl's data-parallel ranks for this recipe: one process on the CPU debug path (verl_cpu.py)."""
+    V = cfg.backend.verl
+    return 1 if V.device == "cpu" else V.nnodes * V.n_gpus_per_node
+
+
 def _refuse_refill(cfg: Recipe) -> Optional[tuple[str, str]]:
-    if cfg.method.dynamic_sampling and cfg.rollout.refill != "per_group":
-        return ("rollout.refill", "verl 0.9's V1 replay buffer cannot draw whole generation batches with a cap: it refills one prompt "
-                "per dropped group until the batch is full (gen_batch_size forced to 1, max_num_gen_batches ignored); "
-                "set -o rollout.refill=per_group (also on the embedded backend) or train on the embedded backend")
+    if cfg.method.dynamic_sampling and cfg.rollout.refill == "gen_batches" and cfg.rollout.on_short_batch == "train":
+        return ("rollout.on_short_batch", "verl's trainer needs a full train batch every step: a short batch after "
+                "rollout.max_gen_batches generation batches stops the run ('error', as the official trainer); "
+                "'train' runs on the embedded backend")
     return None
 
 
@@ -199,8 +218,9 @@ TABLE: list[Row] = [
     Row(("rollout.max_response_tokens",), "verl", "", lambda c: {"data.max_response_length": c.rollout.max_response_tokens}),
     Row(("method.dynamic_sampling", "rollout.refill", "rollout.gen_batch_size", "rollout.max_gen_batches",
          "rollout.on_short_batch"), "verl",
-        "verl's replay buffer filters groups on acc (single-response groups kept) and refills per dropped group",
-        _dynamic_sampling, _refuse_refill),
+        "gen_batches: the official generation batches with their cap (our verl sampler, verl_sampler.py); "
+        "per_group: verl's replay buffer refills one prompt per dropped group; both filter groups on acc "
+        "(single-response groups kept)", _dynamic_sampling, _refuse_refill),
     Row(("rollout.truncated",), "layer", "grade/zero: the method layer's reward",
         refuse=lambda c: ("rollout.truncated", "verl's actor takes its loss mask from the rollout; leaving cut responses "
                           "out of the loss (truncated: mask) is embedded-only") if c.rollout.truncated == "mask" else None),
@@ -235,6 +255,15 @@ TABLE: list[Row] = [
     Row(("optim.mini_batch_size",), "verl", "", lambda c: {f"{A}.ppo_mini_batch_size": c.optim.mini_batch_size}),
     Row(("optim.micro_batch_size", "optim.micro_batch_tokens"), "verl",
         "token budget: verl's dynamic batch size (per GPU); else rows per GPU", _micro_batches),
+    Row(("optim.loss_layout", "optim.official_ranks"), "layer",
+        "official: our driver places the official run's ranks and micro-batches on verl's real ranks (in place of "
+        "verl's batch balancing) and the policy loss normalises each micro-batch by its own tokens times its scale "
+        "(verl_ext.official_balance); global: verl 0.9.1's own micro-batches and global token-mean",
+        lambda c: {f"{A}.shuffle": False} if c.optim.loss_layout == "official" else {},
+        lambda c: ("optim.official_ranks", f"the official layout places {c.optim.official_ranks} emulated ranks on "
+                   f"{_real_ranks(c)} GPUs (backend.verl.nnodes x n_gpus_per_node): each GPU must hold whole "
+                   "emulated ranks") if c.optim.loss_layout == "official" and c.optim.official_ranks % _real_ranks(c)
+        else None),
     Row(("optim.ppo_epochs",), "verl", "", lambda c: {f"{A}.ppo_epochs": c.optim.ppo_epochs}),
     Row(("optim.total_steps",), "verl", "", lambda c: {"trainer.total_training_steps": c.optim.total_steps}),
     Row(("optim.seed",), "verl", "", lambda c: {"data.seed": c.optim.seed, f"{A}.data_loader_seed": c.optim.seed}),
@@ -686,16 +715,17 @@ OFFICIAL_DIFFERENCES: list[tuple[str, str, str]] = [
     ("trainer.default_local_dir", "local", "checkpoint folder: inside our run directory"),
     ("trainer.experiment_name", "local", "run names"),
     ("trainer.project_name", "local", "wandb project"),
-    ("trainer.nnodes", "hardware", "2 nodes x 8 GPUs officially; ours from backend.verl (1 node by default)"),
+    ("trainer.nnodes", "hardware", ("2 nodes x 8 GPUs officially; ours from backend.verl (1 node by default). Not only speed: each "
+     "rank partitions its own rows into micro-batches, so which rows share a loss call (and STARE's selection) "
+     "follows the rank count; the official 16-rank layout is emulated on any number of GPUs (optim.loss_layout)")),
     ("actor_rollout_ref.rollout.max_num_batched_tokens", "hardware", "vLLM scheduler capacity: speed, not values"),
     ("actor_rollout_ref.rollout.max_num_seqs", "hardware", "vLLM scheduler capacity: speed, not values"),
     ("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", "hardware", "micro-batches of the no-grad "
      "old-log-prob pass (memory only: nothing is selected there; ours = optim.micro_batch_tokens)"),
     ("actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", "hardware", "reference pass, unused (no KL)"),
-    ("data.gen_batch_size", "verl", "verl 0.9's V1 trainer forces 1 with group filtering (refills per dropped "
-     "group); rollout.refill: per_group on verl, the official 192-prompt batches on the embedded backend"),
-    ("algorithm.filter_groups.max_num_gen_batches", "verl", "ignored by verl 0.9's V1 replay buffer (no cap); "
-     "we write 0, what it runs with"),
+    ("data.gen_batch_size", "verl", "verl 0.9's V1 trainer forces 1 whenever groups are filtered (its refills are per "
+     "prompt); the official 192-prompt generation batches, at most 10, are drawn by our verl sampler through those "
+     "refills (trainer.v1.sampler.custom_sampler: stare_cli/backends/verl_sampler.py)"),
     ("actor_rollout_ref.actor.policy_loss.loss_mode", "deliberate", "the method layer's loss (`stare_layer`) runs "
      "STARE's selection inside verl's loss call, as the fork's `stare` loss did"),
     ("actor_rollout_ref.model.external_lib", "deliberate", "our extension (method layer in verl's processes)"),

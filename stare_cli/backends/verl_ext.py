@@ -17,6 +17,11 @@ V1 trainer and actor loss; every patch acts only in runs whose verl config carri
 - Actor: verl's `ppo_loss` is wrapped so that our registered policy loss sees the current entropy and
   the step's controller state; that policy loss is the layer's `loss`, called once per micro-batch
   verl forms, so official-scope STARE selects exactly where the official code does.
+- The official loss layout (`optim.loss_layout: official`): the driver's `_balance_batch` is replaced
+  by `official_balance` (the official run's 16 ranks and their micro-batches, placed on verl's real
+  ranks, each row's loss call and scale written beside it), verl's `prepare_micro_batches` forms one
+  micro-batch per loss call, and the policy loss normalises each call by its own tokens times its
+  scale (the legacy worker's per-micro-batch normalisation).
 - Reward workers: verl_reward.py (a verl reward manager around the layer's `score`).
 """
 
@@ -139,6 +144,14 @@ def _install_driver() -> None:  # pragma: no cover - runs inside verl's driver (
         metrics.update(out.metrics)
         return batch
 
+    orig_balance = Trainer._balance_batch
+
+    def _balance_batch(self, batch, metrics, *a, **k):
+        layer, _ = layer_of(self)
+        if layer is None or layer.recipe.optim.loss_layout != "official":
+            return orig_balance(self, batch, metrics, *a, **k)
+        return official_balance(self, layer, batch, metrics)
+
     orig_save = Trainer._save_checkpoint
 
     def _save_checkpoint(self, *a, **k):
@@ -176,10 +189,72 @@ def _install_driver() -> None:  # pragma: no cover - runs inside verl's driver (
         return orig_log(self, data, step, backend) if backend is not None else orig_log(self, data, step)
 
     Trainer._compute_advantage = _compute_advantage
+    Trainer._balance_batch = _balance_batch
     Trainer._save_checkpoint = _save_checkpoint
     Trainer._load_checkpoint = _load_checkpoint
     tracking.Tracking.__init__ = __init__
     tracking.Tracking.log = log
+
+
+CALL_FIELD, SCALE_FIELD = "stare_call", "stare_scale"  # per-row fields of the official loss layout
+
+
+def official_balance(trainer, layer, batch, metrics: dict):  # pragma: no cover - inside verl's driver (test_verl_cpu)
+    """`optim.loss_layout: official` in place of verl's `_balance_batch`: the official run's ranks and
+    micro-batches (baselines.micro_batches.official_loss_calls) placed on verl's real data-parallel
+    ranks (real_rank_order), the batch reordered so that each real rank's equal chunk holds whole
+    emulated ranks, and every row's loss call and scale written to TransferQueue for the actor
+    (`prepare_micro_batches` and the policy loss below read them)."""
+    import transfer_queue as tq
+    from tensordict import TensorDict
+
+    from baselines.micro_batches import official_loss_calls, real_rank_order
+
+    wg = trainer.actor_rollout_wg
+    if "actor" not in wg._dispatch_info:
+        wg._dispatch_info["actor"] = wg._query_dispatch_info("actor")
+    dp = max(wg._dispatch_info["actor"]) + 1
+    if any(tag.get("is_padding", False) for tag in batch.tags):
+        raise RuntimeError("the official loss layout needs a batch without padding rows")
+    O, R = layer.recipe.optim, layer.recipe.rollout
+    lengths = [int(tag["seq_len"]) for tag in batch.tags]
+    plan = official_loss_calls(lengths, O.mini_batch_size * R.n, O.official_ranks, O.micro_batch_tokens)
+    placed = real_rank_order(plan, O.official_ranks, dp)
+    batch.reorder([p.row for p in placed])
+    tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=TensorDict({
+        CALL_FIELD: torch.tensor([p.call for p in placed], dtype=torch.int64),
+        SCALE_FIELD: torch.tensor([p.scale for p in placed], dtype=torch.float64)}, batch_size=len(placed)))
+    calls = [c for mini in plan for c in mini]
+    metrics["layout/loss_calls"] = float(len(calls))
+    metrics["layout/over_budget"] = sum(sum(lengths[i] for i in c.rows) > O.micro_batch_tokens for c in calls) / len(calls)
+    return batch
+
+
+def layout_micro_batches(call_ids: list[int]) -> list[list[int]]:
+    """Row indices of each micro-batch under the official layout: the rows of each loss call, calls
+    in increasing number (the order real_rank_order gave them)."""
+    groups: dict[int, list[int]] = {}
+    for i, c in enumerate(call_ids):
+        groups.setdefault(int(c), []).append(i)
+    return [groups[c] for c in sorted(groups)]
+
+
+def wrap_prepare_micro_batches(orig):
+    """verl's micro-batching, except for data carrying the official layout's loss calls (written by
+    official_balance): then one micro-batch per loss call, as the official run formed it."""
+    if getattr(orig, "_stare", False):
+        return orig
+
+    def prepare_micro_batches(data, *args, **kwargs):
+        if CALL_FIELD not in data.keys():
+            return orig(data, *args, **kwargs)
+        from verl.utils import tensordict_utils as tu
+
+        idx = layout_micro_batches(data[CALL_FIELD].tolist())
+        return [tu.index_select_tensor_dict(data, i) for i in idx], idx
+
+    prepare_micro_batches._stare = True
+    return prepare_micro_batches
 
 
 def _step_text_metrics(trainer, layer, texts: list[str], rewards: list[float], uids: list) -> dict[str, float]:
@@ -249,6 +324,7 @@ class _Call:
     layer: Any
     entropy: Optional[torch.Tensor]
     state: Any  # StareState or None
+    scale: Optional[float] = None  # the official layout's factor for this loss call (None: verl's global layout)
 
 
 _CALL: contextvars.ContextVar[Optional[_Call]] = contextvars.ContextVar("stare_loss_call", default=None)
@@ -269,6 +345,7 @@ def verl_agg(loss_agg_mode: str, config: Any):
 def layer_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
                       rollout_is_weights=None):
     """verl's policy-loss signature around the method layer's loss (registered as `stare_layer`)."""
+    from baselines import Agg
     from stare_cli.method.layer import LossInputs
 
     call = _CALL.get()
@@ -277,9 +354,21 @@ def layer_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_ag
                            "(the batch carries no method-layer payload)")
     if rollout_is_weights is not None:  # verl multiplies token losses by these; so does scaling A (w > 0)
         advantages = advantages * rollout_is_weights
+    mask = response_mask.float()
+    if call.scale is None:
+        agg = verl_agg(loss_agg_mode, config)
+    else:  # the official layout: the call's own counts (the legacy worker's agg_loss), then its scale
+        info = dict(getattr(config, "global_batch_info", {}) or {})
+        agg = Agg(loss_agg_mode, num_tokens=max(float(mask.sum()), 1.0),
+                  num_seqs=max(float((mask.sum(-1) > 0).sum()), 1.0), scale=info.get("loss_scale_factor"))
     loss, stats = call.layer.loss(LossInputs(
-        log_prob=log_prob, old_log_prob=old_log_prob, advantages=advantages, mask=response_mask.float(),
-        agg=verl_agg(loss_agg_mode, config), entropy=call.entropy, stare=call.state))
+        log_prob=log_prob, old_log_prob=old_log_prob, advantages=advantages, mask=mask,
+        agg=agg, entropy=call.entropy, stare=call.state))
+    if call.scale is not None:
+        # x dp_size: the engine's gradient all-reduce averages over verl's real ranks, while the
+        # emulated ranks' average is already in the scale
+        loss = loss * (call.scale * float(dict(getattr(config, "global_batch_info", {}) or {}).get("dp_size", 1) or 1))
+        stats["layout/scale"] = call.scale
     names = {"clip_frac": "actor/pg_clipfrac", "clip_frac_lower": "actor/pg_clipfrac_lower", "ppo_kl": "actor/ppo_kl"}
     return loss, {names.get(k, k if k.startswith("stare/") else f"actor/{k}"): float(v) for k, v in stats.items()}
 
@@ -301,9 +390,10 @@ def wrap_ppo_loss(orig):
             return orig(config, model_output, data, dp_group)
         entropy = model_output.get("entropy", None)
         state = payload.get("state")
+        scale = float(data[SCALE_FIELD][0]) if SCALE_FIELD in data.keys() else None
         token = _CALL.set(_Call(layer_for(payload["recipe"]),
                                 None if entropy is None else no_padding_2_padding(entropy, data).float(),
-                                None if state is None else StareState.from_dict(state)))
+                                None if state is None else StareState.from_dict(state), scale))
         try:
             return orig(config, model_output, data, dp_group)
         finally:
@@ -325,6 +415,13 @@ def _install_actor() -> None:
     if new is not orig:
         losses.ppo_loss = new
         _rebind_in_verl("ppo_loss", orig, new)
+    from verl.workers.engine import utils as engine_utils
+
+    orig_mb = engine_utils.prepare_micro_batches
+    new_mb = wrap_prepare_micro_batches(orig_mb)
+    if new_mb is not orig_mb:
+        engine_utils.prepare_micro_batches = new_mb
+        _rebind_in_verl("prepare_micro_batches", orig_mb, new_mb)
 
 
 def _plain_tokenizer_support() -> None:
@@ -374,15 +471,15 @@ def _rebind_in_verl(attr: str, old, new) -> None:
             setattr(mod, attr, new)
 
 
-try:  # our policy loss and the ppo_loss wrapper, in every process that has verl (actor workers use them)
-    _install_actor()
-except ImportError:
-    pass
-
-if os.environ.get("VERL_PLATFORM") == "stare_cpu":  # the CPU platform must exist before verl's trainer imports
+if os.environ.get("VERL_PLATFORM") == "stare_cpu":  # the CPU platform must exist before verl's engine and trainer import
     from stare_cli.backends import verl_cpu
 
     verl_cpu.install()
+
+try:  # our policy loss and the ppo_loss / micro-batch wrappers, in every process that has verl (actor workers use them)
+    _install_actor()
+except ImportError:
+    pass
 
 try:  # the driver patches act only for trainers whose config carries stare.recipe
     _plain_tokenizer_support()

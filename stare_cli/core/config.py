@@ -151,6 +151,17 @@ class OptimConfig(_Strict):
         None, ge=1, description="Token budget of one forward/backward (prompt + response tokens), as verl's dynamic "
         "batch size (official runs: 8192): as few micro-batches as fit, rows balanced by workload. STARE's official "
         "scope selects per such micro-batch. None: micro_batch_size responses per micro-batch.")
+    loss_layout: Literal["global", "official"] = Field(
+        "global", description="How a mini-batch's loss is split and normalised. 'global': micro-batches as verl 0.9.1 "
+        "forms them on one rank (as few as fit micro_batch_tokens), every token weighted by 1 / the mini-batch's valid "
+        "tokens. 'official': the official run's layout (verl 0.7 legacy worker), emulated on any hardware: the batch "
+        "balanced over optim.official_ranks ranks (trainer.balance_batch), per rank ceil(tokens / micro_batch_tokens) "
+        "micro-batches (the count maxed over ranks; a micro-batch may exceed the budget), each micro-batch's loss "
+        "normalised by its own tokens and scaled by its share of the rank's rows, averaged over ranks. STARE's "
+        "official scope selects per such micro-batch.")
+    official_ranks: StrictInt = Field(
+        16, ge=1, le=4096, description="Data-parallel ranks emulated under loss_layout 'official' (the official runs: "
+        "2 nodes x 8 GPUs = 16); a mini-batch's responses must divide by it.")
     ppo_epochs: StrictInt = Field(1, ge=1, description="Passes over each training batch.")
     total_steps: StrictInt = Field(500, ge=1, le=10_000_000, description="Training steps.")
     seed: StrictInt = Field(1, ge=0, description="Seed for data order, sampling and init.")
@@ -383,6 +394,18 @@ class Recipe(_Strict):
                 f"optim.micro_batch_tokens ({self.optim.micro_batch_tokens}) must hold the longest row: "
                 f"rollout.max_prompt_tokens + rollout.max_response_tokens = {row_max}"
             )
+        if self.optim.loss_layout == "official":
+            if self.optim.micro_batch_tokens is None:
+                raise ValueError("optim.loss_layout 'official' emulates the official dynamic micro-batches: set "
+                                 "optim.micro_batch_tokens (the official runs: 8192)")
+            if n_resp % self.optim.official_ranks:
+                raise ValueError(
+                    f"optim.official_ranks ({self.optim.official_ranks}) must divide the responses of a mini-batch "
+                    f"(optim.mini_batch_size x rollout.n = {n_resp}) under optim.loss_layout 'official'")
+            if self.rollout.on_short_batch == "train" and self.method.dynamic_sampling:
+                raise ValueError(
+                    "rollout.on_short_batch 'train' can leave a batch that does not split over optim.official_ranks "
+                    "under optim.loss_layout 'official' (the official trainer stops instead: 'error')")
         if self.method.overlong.enable and self.method.overlong.buffer > self.rollout.max_response_tokens:
             raise ValueError(
                 f"method.overlong.buffer ({self.method.overlong.buffer}) exceeds "

@@ -14,7 +14,9 @@ So the two backends run the same code for:
    old-log-prob pass; returns the `StareState` (gate, W, M) the loss calls need;
 5. the per-batch transform (`transform_batch`): advantages over tokens, the truncation mask, the
    80/20 mask (as zero advantages), batch-scope STARE weights, the quadrant diagnostics;
-6. the micro-batches of a mini-batch (`micro_batches`): the token budget or fixed rows;
+6. the loss calls of a training batch (`update_plan`, `call_agg`): mini-batches, their micro-batches
+   (the token budget or fixed rows), and how each call's loss is normalised and scaled: one token-mean
+   over the mini-batch, or the official run's data-parallel layout emulated (`optim.loss_layout`);
 7. the policy loss (`loss`): per-loss-call transforms (official-scope STARE on the current log-probs,
    EntroAdv on the current entropy), one dispatch over the loss family, and the entropy bonus.
 
@@ -47,6 +49,7 @@ from baselines import (
     w_reinforce_advantage,
 )
 from baselines.losses import clip_cov_loss, entropy_bonus, gspo_loss, kl_cov_loss, ppo_clip_loss
+from baselines.micro_batches import LossCall, official_loss_calls
 from baselines.registry import MethodSpec
 from baselines.stare import stare_scale
 from stare_cli.core.config import Recipe
@@ -250,6 +253,31 @@ class MethodLayer:
             return token_budget_micro_batches(list(lengths), tokens)
         m = self.recipe.optim.micro_batch_size
         return [list(range(i, min(i + m, len(lengths)))) for i in range(0, len(lengths), m)]
+
+    def update_plan(self, lengths: Sequence[int]) -> list[list[LossCall]]:
+        """The loss calls of each mini-batch of one training batch ([B] tokens per row, prompt +
+        response), under `optim.loss_layout`: 'global' takes the mini-batches in row order, the
+        micro-batches above, each call normalised by the mini-batch's counts (scale 1); 'official'
+        emulates the official run's ranks (baselines.micro_batches.official_loss_calls)."""
+        O = self.recipe.optim
+        per_mini = O.mini_batch_size * self.recipe.rollout.n
+        lengths = [int(x) for x in lengths]
+        if O.loss_layout == "official":
+            return official_loss_calls(lengths, per_mini, O.official_ranks, O.micro_batch_tokens)
+        plan = []
+        for m0 in range(0, len(lengths), per_mini):
+            mini = list(range(m0, min(m0 + per_mini, len(lengths))))
+            plan.append([LossCall([mini[i] for i in mb], 1.0, False)
+                         for mb in self.micro_batches([lengths[i] for i in mini])])
+        return plan
+
+    def call_agg(self, call: LossCall, mask: Tensor, mini_rows: Sequence[int]) -> Agg:
+        """The aggregation of one loss call: its own counts under the official layout (the legacy
+        worker's agg_loss without global counts), else the whole mini-batch's. mask: [B, T] loss mask."""
+        mode, scale = self.cfg.loss_agg, self.recipe.rollout.max_response_tokens
+        m = mask[list(call.rows if call.own_norm else mini_rows)]  # a call without valid tokens adds 0, not NaN
+        return Agg(mode, num_tokens=max(float(m.sum()), 1.0), num_seqs=max(float((m.sum(-1) > 0).sum()), 1.0),
+                   scale=scale)
 
     # ---- 7. loss
     def loss(self, x: LossInputs) -> tuple[Tensor, dict[str, Union[Tensor, float]]]:
