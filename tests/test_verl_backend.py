@@ -230,6 +230,13 @@ def test_dry_run_and_job_script(cli, tmp_path):
     assert "+trainer.v1.sampler.sampler_kwargs.gen_batch_size=192" in lines
     assert "+trainer.v1.sampler.sampler_kwargs.max_gen_batches=10" in lines
     assert "algorithm.filter_groups.metric=acc" in lines
+    assert "# dynamic sampling on acc: generation batches of 192 prompts, at most 10, then an error" in lines
+    code, out, err = cli("train", "--recipe", "short-cot/qwen2.5-math-7b", "--method", "stare-o1", "--backend", "verl",
+                         "--dry-run")  # the paper recipe as it is: the official loss layout too
+    assert code == 0, err
+    assert ("# loss layout: official (16 emulated ranks on 8 GPU(s), verl 0.7 micro-batches of 8192 tokens, each "
+            "normalised by its own tokens)") in out.splitlines()
+    assert "actor_rollout_ref.actor.shuffle=False" in out.splitlines()
     assert "# stare: variant=o1 scope=official P=0.1 W=1.1 M=0.9 h_tgt=0.3 adaptive=False alpha=0.01 w_max=1.5 m_min=0.5" in lines
     assert any(line.startswith("# reward: stare-official") for line in lines)
     assert "actor_rollout_ref.actor.clip_ratio_high=0.28" in lines

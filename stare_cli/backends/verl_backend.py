@@ -469,6 +469,16 @@ def describe(cfg: Recipe) -> list[str]:
         s = m.stare
         lines.append(f"stare: variant={layer.spec.stare} scope={s.scope} P={s.P} W={s.W} M={s.M} h_tgt={s.h_tgt} "
                      f"adaptive={s.adaptive} alpha={s.alpha} w_max={s.w_max} m_min={s.m_min}")
+    O, R = cfg.optim, cfg.rollout
+    if O.loss_layout == "official":
+        lines.append(f"loss layout: official ({O.official_ranks} emulated ranks on {_real_ranks(cfg)} GPU(s), "
+                     f"verl 0.7 micro-batches of {O.micro_batch_tokens} tokens, each normalised by its own tokens)")
+    else:
+        lines.append("loss layout: global (verl 0.9.1's micro-batches, one token-mean over the mini-batch)")
+    if m.dynamic_sampling:
+        lines.append(f"dynamic sampling on acc: generation batches of {R.gen_batch_size} prompts, at most "
+                     f"{R.max_gen_batches}, then an error" if R.refill == "gen_batches" else
+                     "dynamic sampling on acc: one fresh prompt per dropped group (verl's replay buffer), no cap")
     return lines
 
 
