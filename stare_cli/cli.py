@@ -396,11 +396,24 @@ def compare(
     plot: Annotated[Optional[Path], typer.Option(help="Write training-dynamics and pass@k plots (PNG, SVG) here.")] = None,
     ci: Annotated[bool, typer.Option("--ci", help="95% bootstrap intervals: over seeds where a row has several, "
                                      "else over problems.")] = False,
+    cards: Annotated[bool, typer.Option("--cards", help="A table of the training runs' reproduction cards "
+                                        "(REPRODUCE.md: commit, recipe hash, steps, packages) instead.")] = False,
 ) -> None:
     """Tables and plots of runs beside the paper's numbers."""
     import re
 
     from stare_cli.analysis import compare as C
+
+    if cards:
+        from stare_cli.core.card import cards_table
+
+        text = cards_table([p for p in runs if (p / "meta.json").exists()],
+                           "md" if fmt == Format.table else fmt.value)
+        if not text:
+            raise StareError("no training run directories among the inputs (none has meta.json)",
+                             hint="--cards reads run directories written by `stare train`")
+        typer.echo(text, nl=False)
+        return
 
     if metric != "avg" and not re.fullmatch(r"(pass|maj)@[1-9]\d{0,3}", metric):
         raise UsageError(f"unknown metric '{metric}'", hint="avg, pass@k or maj@k (k from 1 to the samples per problem)")

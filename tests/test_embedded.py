@@ -74,6 +74,24 @@ def test_run_directory_is_complete(cli, tmp_path, quick_toy):
                 "actor/ppo_kl", "grad_norm", "lr", "stare/gate", "stare/W", "quad/pos_high/share",
                 "reflection_rate", "time/generate", "time/score", "time/train", "eval/toy:arith/acc"):
         assert key in last, key
+    # the reproduction card (stare_cli/core/card.py): status, commit, the recipe's hash, and a rerun
+    # command that works
+    import hashlib
+    import shlex
+
+    card = (run / "REPRODUCE.md").read_text()
+    assert "Status: **finished**, step 2 of 2" in card
+    assert f"`{meta['git_sha']}`" in card
+    assert hashlib.sha256((run / "config.yaml").read_bytes()).hexdigest() in card
+    assert "- last training step 2: reward" in card and "- last evaluation (step 2): eval/toy:arith/acc" in card
+    rerun = card.split("From the resolved recipe")[1].split("```bash\n")[1].split("\n```")[0]
+    argv = shlex.split(rerun)
+    assert argv[:3] == ["stare", "train", "--recipe"] and argv[3] == str(run / "config.yaml")
+    argv[argv.index("--out") + 1] = str(tmp_path / "rerun")
+    code, out, err = cli(*argv[1:], "-o", "optim.total_steps=1")
+    assert code == 0, err
+    again = Path(out.strip().splitlines()[-1])
+    assert "Status: **finished**, step 1 of 1" in (again / "REPRODUCE.md").read_text()
 
 
 def test_dynamic_sampling_drops_groups_and_draws_again(cli, tmp_path, quick_toy):
@@ -308,3 +326,20 @@ def test_the_official_layout_trains_on_the_toy(cli, tmp_path, quick_toy):
     assert all(torch.isfinite(torch.tensor(r["loss"])) and r["grad_norm"] > 0 for r in rows)
     assert any(r["stare/sel_pos"] > 0 for r in rows)
     assert "loss_layout: official" in (run / "config.yaml").read_text()
+
+
+def test_compare_prints_the_runs_cards(cli, tmp_path, quick_toy):
+    run = _train(cli, tmp_path, quick_toy, "grpo-ds", "optim.total_steps=1", "method.dynamic_sampling=false")
+    code, out, err = cli("compare", str(run), "--cards", "--format", "csv")
+    assert code == 0, err
+    import csv
+    import hashlib
+    import io
+
+    (row,) = list(csv.DictReader(io.StringIO(out)))
+    meta = json.loads((run / "meta.json").read_text())
+    assert row["run"] == run.name and row["commit"] == meta["git_sha"] and row["method"] == "grpo-ds"
+    assert row["recipe_sha256"] == hashlib.sha256((run / "config.yaml").read_bytes()).hexdigest()[:12]
+    assert (row["steps"], row["of"], row["backend"]) == ("1", "1", "embedded")
+    code, out, err = cli("compare", str(tmp_path), "--cards")
+    assert code == 1 and "no training run directories" in err

@@ -130,6 +130,15 @@ def test_verl_checkpoint_carries_the_controller(verl_run):
     assert meta["reward_grader"] == "stare-official@1"
     assert "step:2" in (verl_run / "verl.log").read_text()
     assert (verl_run / "hydra").is_dir()  # Hydra's output folder is inside the run, not ./outputs
+    # the reproduction card: finished, verl's effective configuration and the parquet files hashed
+    import hashlib
+
+    card = (verl_run / "REPRODUCE.md").read_text()
+    assert "Status: **finished**, step 2 of 2" in card
+    assert hashlib.sha256((verl_run / "verl_effective_config.json").read_bytes()).hexdigest() in card
+    train = verl_run.parent.parent.parent / "data" / "train.parquet"
+    assert f"`{train}`: SHA-256 `{hashlib.sha256(train.read_bytes()).hexdigest()}`" in card
+    assert f"--data-dir {train.parent}" in card and "--backend verl" in card
 
 
 def test_compare_reads_the_verl_run(verl_run, cli):

@@ -56,6 +56,7 @@ from stare_cli.backends.checkpoints import restore_trainer_state, save_checkpoin
 from stare_cli.backends.forward import pack, token_logprobs_entropy
 from stare_cli.core.config import Recipe
 from stare_cli.core.errors import StareError, install_hint
+from stare_cli.core.card import write_card
 from stare_cli.core.resume import ResumePlan, finished_note, no_checkpoint_error, set_aside
 from stare_cli.core.runs import (append_jsonl, atomic_write_text, clean_stale_temporaries, hold_run_lock, new_run_dir,
                                  read_jsonl, record_config, usable_checkpoint, write_run_meta)
@@ -425,6 +426,7 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume: Optional[ResumePla
     finally:
         stop.restore()
         log.close()
+        write_card(run.run_dir, "finished" if pos.step >= O.total_steps else "stopped")
         run.lock.close()
         layer.close()
         eval_grader.close()
@@ -541,12 +543,14 @@ def start_or_restore(cfg: Recipe, run: RunHandle, policy: Policy, layer, resume:
                                           "reward_grader": layer.reward_function().grader.tag})
         record_config(run.run_dir, cfg, "restart" if resume is not None else "start", 0,
                       list(resume.overrides) if resume is not None else [], resume.changed if resume else {})
+        write_card(run.run_dir, "started")
         return Position(0, 0)
     step, cursor = restore_trainer_state(run.ckpt, policy.opt, policy.sched, layer, cfg)
     # Drop metrics written after the checkpoint (a crash mid-way): the resumed run redoes them.
     rows = [r for r in read_jsonl(run.run_dir / "metrics.jsonl") if r.get("step", 0) <= step]
     atomic_write_text(run.run_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
     record_config(run.run_dir, cfg, "resume", step, list(resume.overrides), resume.changed)
+    write_card(run.run_dir, "resumed")
     return Position(step, cursor)
 
 

@@ -673,6 +673,9 @@ def run(cfg: Recipe, out_root: Path, dry_run: bool = False, emit_script: Optiona
     record_config(run_dir, cfg, "start" if resume is None else ("restart" if resume.restart else "resume"),
                   resumed_at or 0, list(resume.overrides) if resume else [], resume.changed if resume else {},
                   extra={"verl_overrides": overrides})
+    from stare_cli.core.card import write_card
+
+    write_card(run_dir, "started" if resumed_at is None else "resumed")
     if emit_script:
         emit_script.write_text(ray_job_script(cfg, overrides, run_dir))
         emit_script.chmod(0o755)
@@ -697,6 +700,7 @@ def run(cfg: Recipe, out_root: Path, dry_run: bool = False, emit_script: Optiona
             proc.terminate()
             proc.wait()
             raise
+    write_card(run_dir, "stopped" if code else "finished")
     if code:
         raise StareError(f"verl exited with code {code}", hint=f"see {run_dir / 'verl.log'}")
     return run_dir

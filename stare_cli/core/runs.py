@@ -129,10 +129,16 @@ def environment_summary() -> dict[str, Any]:
             versions[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
             pass
+    gpus: list[str] = []
+    torch = sys.modules.get("torch")  # only when already loaded: this summary never imports torch
+    if torch is not None and torch.cuda.is_available():
+        gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     return {
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "gpus": gpus,
         "packages": versions,
         "argv": sys.argv,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
