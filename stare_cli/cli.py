@@ -125,6 +125,18 @@ def train(
     shared_dir: Annotated[
         Optional[Path], typer.Option(help="verl --emit-script: a directory every node sees (run, data, checkpoints).")
     ] = None,
+    launcher: Annotated[
+        Optional[Launcher], typer.Option(help="verl --emit-script: ray (a `ray job submit` script for a running cluster), "
+                                    "slurm (an sbatch script that starts Ray on the allocation) or skypilot (a task YAML).")
+    ] = None,
+    partition: Annotated[Optional[str], typer.Option(help="--launcher slurm: the partition.")] = None,
+    account: Annotated[Optional[str], typer.Option(help="--launcher slurm: the account.")] = None,
+    time_limit: Annotated[Optional[str], typer.Option("--time", help="--launcher slurm: the time limit, e.g. 24:00:00.")] = None,
+    network_interface: Annotated[
+        Optional[str], typer.Option(help="verl --emit-script: the network interface NCCL and Gloo use "
+                                         "(NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME), e.g. eth0 or ib0.")
+    ] = None,
+    accelerator: Annotated[str, typer.Option(help="--launcher skypilot: the GPU type, e.g. H100 or A100-80GB.")] = "H100",
 ) -> None:
     """Train one method under one recipe."""
     from stare_cli.core.resolve import load_recipe
@@ -163,8 +175,14 @@ def train(
     if cfg.backend.name == "verl":
         from stare_cli.backends import verl_backend
 
+        from stare_cli.backends.verl_launchers import LaunchSpec
+
+        which = launcher.value if launcher is not None else "ray"
+        launch = LaunchSpec(which, partition, account, time_limit, network_interface, accelerator)
+        if launcher is not None and emit_script is None:
+            raise UsageError(f"--launcher {which} writes a job script", hint="add --emit-script FILE --shared-dir DIR")
         run_dir = verl_backend.run(cfg, out, dry_run=dry_run, emit_script=emit_script, data_dir=data_dir,
-                                   resume=plan)
+                                   resume=plan, launch=launch)
         if run_dir is not None:
             typer.echo(str(run_dir))
         return
@@ -250,6 +268,13 @@ def eval_cmd(
         return
     if not bench or not model:
         raise typer.BadParameter("--bench and --model are needed (or --regrade DIR)")
+    from stare_cli.backends.export import cached_export, is_verl_checkpoint
+
+    if is_verl_checkpoint(Path(model)):  # verl's FSDP shards: a Hugging Face folder, once, in the cache
+        from benchmarks.data.cache import cache_root
+
+        model = str(cached_export(Path(model), cache_root()))
+        print(f"evaluating the export of the verl checkpoint: {model}", file=sys.stderr)
     if harness == Harness.lm_eval:
         from benchmarks.evaluation import lm_eval_bridge
         from benchmarks.evaluation.evaluate import check_model_path, resolve_model
@@ -377,6 +402,12 @@ def grade_agreement(
 
 
 # --------------------------------------------------------------------------------------- compare
+class Launcher(str, Enum):
+    ray = "ray"
+    slurm = "slurm"
+    skypilot = "skypilot"
+
+
 class Format(str, Enum):
     table = "table"
     md = "md"
@@ -660,6 +691,22 @@ def sweep(
         raise StareError(f"{len(res.failed)} of {len(res.cells)} cells failed: "
                          + "; ".join(f"{c.name}: {c.error}" for c in res.failed),
                          hint=f"logs in {res.out / 'logs'}; the same command retries them")
+
+
+@app.command("export", rich_help_panel="Training")
+def export_cmd(
+    run: Annotated[Path, typer.Argument(help="A run directory, or one of its checkpoints (step-N; verl: global_step_N).")],
+    out: Annotated[Path, typer.Option(help="The Hugging Face folder to write (must not exist or be empty).")],
+    step: Annotated[Optional[int], typer.Option(min=0, help="The checkpoint of this step (default: the newest).")] = None,
+) -> None:
+    """A training checkpoint as a Hugging Face folder (safetensors, config, tokenizer, chat template) for
+    `stare eval`, vLLM or lm-eval; verl's FSDP shards through verl's own merger."""
+    from stare_cli.backends.export import export
+
+    path = export(run, out, step)
+    meta = json.loads((path / "export.json").read_text())
+    print(f"exported step {meta['step']} of {meta['run']} ({meta['how']})", file=sys.stderr)
+    typer.echo(str(path))
 
 
 @app.command(rich_help_panel="Training")

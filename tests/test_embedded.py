@@ -343,3 +343,22 @@ def test_compare_prints_the_runs_cards(cli, tmp_path, quick_toy):
     assert (row["steps"], row["of"], row["backend"]) == ("1", "1", "embedded")
     code, out, err = cli("compare", str(tmp_path), "--cards")
     assert code == 1 and "no training run directories" in err
+
+
+def test_export_of_an_embedded_checkpoint(cli, tmp_path, quick_toy):
+    from safetensors.torch import load_file
+
+    run = _train(cli, tmp_path, quick_toy, "grpo-ds", "optim.total_steps=1", "method.dynamic_sampling=false")
+    code, out, err = cli("export", str(run), "--out", str(tmp_path / "hf"))
+    assert code == 0, err
+    hf = Path(out.strip())
+    names = {p.name for p in hf.iterdir()}
+    assert {"model.safetensors", "config.json", "export.json"} <= names and not names & {"trainer.pt", "state.json"}
+    ck = run / "checkpoints" / "latest"
+    a, b = load_file(str(hf / "model.safetensors")), load_file(str(ck / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((hf / "export.json").read_text())["step"] == 1
+    code, out, err = cli("export", str(run), "--out", str(tmp_path / "hf"))  # not over an earlier export
+    assert code == 1 and "is not empty" in err
+    code, out, err = cli("export", str(run), "--step", "7", "--out", str(tmp_path / "hf7"))
+    assert code == 1 and "no checkpoint of step 7" in err

@@ -182,6 +182,50 @@ def test_grpo_ds_trains_on_verl_through_the_same_layer_with_fp32_master_weights(
     assert effective["actor_rollout_ref"]["actor"]["fsdp_config"]["mixed_precision"]["param_dtype"] == "bf16"
 
 
+def test_export_turns_the_verl_checkpoint_into_a_hugging_face_folder(verl_run, cli, tmp_path):
+    """`stare export` of global_step_2: the Hugging Face copy verl wrote at save time (fp32); its
+    weights are the trainer's own (the FSDP shard's), so its log-probs on the same tokens are the
+    trainer's. Without that copy, verl's merger runs (it writes bf16: the same weights rounded). And
+    `stare eval --model RUN/checkpoints/global_step_2` evaluates the export."""
+    import shutil
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    code, out, err = cli("export", str(verl_run), "--step", "2", "--out", str(tmp_path / "hf"))
+    assert code == 0, err
+    hf = Path(out.strip())
+    meta = json.loads((hf / "export.json").read_text())
+    assert meta["step"] == 2 and meta["method"] == "stare-o1" and "fp32" in meta["how"]
+    assert {"config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"} <= {p.name for p in hf.iterdir()}
+    shard = torch.load(verl_run / "checkpoints" / "global_step_2" / "actor" / "model_world_size_1_rank_0.pt",
+                       weights_only=False, map_location="cpu")
+    trainer = {k: getattr(v, "_local_tensor", v).float() for k, v in shard.items()}
+    exported = load_file(str(hf / "model.safetensors"))
+    assert set(exported) <= set(trainer) and all(torch.equal(exported[k], trainer[k]) for k in exported)
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    ref = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    ref.load_state_dict({k: trainer[k] for k in ref.state_dict()}, strict=True)
+    ids = torch.tensor([[1, 5, 7, 9, 11, 13, 2, 4]])
+    with torch.no_grad():
+        assert torch.equal(torch.log_softmax(model(ids).logits, -1), torch.log_softmax(ref(ids).logits, -1))
+    # without verl's copy: the merger (bf16)
+    ck = tmp_path / "global_step_2"
+    shutil.copytree(verl_run / "checkpoints" / "global_step_2", ck)
+    for f in (ck / "actor" / "huggingface").glob("*.safetensors"):
+        f.unlink()
+    code, out, err = cli("export", str(ck), "--out", str(tmp_path / "merged"))
+    assert code == 0, err
+    merged = load_file(str(Path(out.strip()) / "model.safetensors"))
+    assert "merger" in json.loads((Path(out.strip()) / "export.json").read_text())["how"]
+    assert all(torch.equal(merged[k].float(), trainer[k].bfloat16().float()) for k in merged)
+    # stare eval on the verl checkpoint itself: exported once into the cache
+    code, out, err = cli("eval", "--bench", "toy:arith", "--model", str(verl_run / "checkpoints" / "global_step_2"),
+                         "--limit", "2", "-n", "1", "--out", str(tmp_path / "eval"), "--json")
+    assert code == 0, err
+    assert "evaluating the export of the verl checkpoint" in err
+
+
 def test_verl_run_resumes_from_its_checkpoint(verl_run):
     """Runs last in this module: it extends the shared run by one step."""
     from stare_cli.cli import main

@@ -30,39 +30,62 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+STAND_INS = {
+    # srun: drop its options, run the command here (every "node" is this machine)
+    "srun": '#!/usr/bin/env bash\nwhile [[ "${1:-}" == -* ]]; do case "$1" in -w|--nodelist) shift 2;; *) shift;; esac; done\n'
+            'exec "$@"\n',
+    # scontrol show hostnames: two nodes
+    "scontrol": '#!/usr/bin/env bash\nprintf "node0\\nnode1\\n"\n',
+}
+
+
 @pytest.fixture
-def ray_head():
-    """A local Ray head with one "GPU" slot (the CPU platform's, see verl_cpu.py) and 16 CPUs."""
+def slurm_env(tmp_path):
+    """Stand-ins for SLURM's srun and scontrol on PATH, Ray's state in a short temporary folder, free
+    ports; Ray stopped afterwards (the script leaves the head and the worker running, as a real
+    allocation would until it ends)."""
     bin_dir = Path(sys.executable).parent
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    fake = tmp_path / "fake-slurm"
+    fake.mkdir()
+    for name, body in STAND_INS.items():
+        (fake / name).write_text(body)
+        (fake / name).chmod(0o755)
     temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths have a length limit
-    port, dash = _free_port(), _free_port()
-    subprocess.run([str(bin_dir / "ray"), "start", "--head", f"--port={port}", f"--dashboard-port={dash}",
-                    f"--temp-dir={temp}", "--num-cpus=16", "--num-gpus=1", "--disable-usage-stats",
-                    "--include-dashboard=true", "--dashboard-host=127.0.0.1"], env=env, check=True,
-                   capture_output=True, timeout=120)
+    env = {**os.environ, "PATH": f"{fake}:{bin_dir}:{os.environ['PATH']}", "RAY_AUTH_MODE": "disabled",
+           "OMP_NUM_THREADS": "1", "RAY_TMPDIR": temp, "SLURM_JOB_NODELIST": "node[0-1]",
+           "STARE_RAY_PORT": str(_free_port()), "STARE_RAY_DASHBOARD_PORT": str(_free_port())}
     try:
-        yield {**env, "RAY_ADDRESS": f"http://127.0.0.1:{dash}"}
+        yield env
     finally:
         subprocess.run([str(bin_dir / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
         shutil.rmtree(temp, ignore_errors=True)
 
 
-def test_emitted_job_runs_on_a_ray_cluster(cli, tmp_path, quick_toy, ray_head):
-    shared = tmp_path / "shared"
-    code, _, err = cli("data", "prepare", "-r", "tiny/arith", "--out", str(shared / "data" / "tiny-arith"),
-                       "--limit", "64", "-o", "eval.limit=8")
-    assert code == 0, err
-    script = shared / "job.sh"
+def _emit(cli, shared: Path, quick_toy, launcher: str, *extra: str) -> tuple[Path, Path]:
+    script = shared / f"job-{launcher}.sh"
     args = ["train", "-r", "tiny/arith", "-m", "stare-o1", "--backend", "verl", "--device", "cpu",
-            "--shared-dir", str(shared), "--emit-script", str(script), "-o", f"model.path={quick_toy}"]
+            "--shared-dir", str(shared), "--emit-script", str(script), "--launcher", launcher,
+            "-o", f"model.path={quick_toy}", *extra]
     for o in SMALL:
         args += ["-o", o]
     code, out, err = cli(*args)
     assert code == 0, err
-    run = Path(out.strip().splitlines()[-1])
+    return Path(out.strip().splitlines()[-1]), script
+
+
+def test_the_slurm_script_starts_ray_on_its_nodes_and_runs_the_job(cli, tmp_path, quick_toy, slurm_env):
+    """The SLURM launcher's script, run with stand-ins for srun and scontrol: it starts the Ray head
+    and one worker (two "nodes", both here), waits for both, and submits the 2-step CPU toy job with
+    the same `ray job submit` line every launcher writes; the job leaves its metrics and checkpoint in
+    the shared directory."""
+    shared = tmp_path / "shared"
+    code, _, err = cli("data", "prepare", "-r", "tiny/arith", "--out", str(shared / "data" / "tiny-arith"),
+                       "--limit", "64", "-o", "eval.limit=8")
+    assert code == 0, err
+    run, script = _emit(cli, shared, quick_toy, "slurm", "--network-interface", "lo")
     assert run.parent == shared / "runs" and (run / "meta.json").exists()
     text = script.read_text()
+    assert "#SBATCH --nodes=1" in text and "export NCCL_SOCKET_IFNAME=lo" in text and "GLOO_SOCKET_IFNAME=lo" in text
     overrides = json.loads((run / "meta.json").read_text())["overrides"]
     for o in overrides:  # every path the job uses is absolute and under the shared directory
         key, _, value = o.partition("=")
@@ -73,13 +96,62 @@ def test_emitted_job_runs_on_a_ray_cluster(cli, tmp_path, quick_toy, ray_head):
     assert {Path(p).name for p in env["py_modules"]} == {"stare_cli", "baselines", "benchmarks", "recipes"}
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    p = subprocess.run(["bash", str(script)], cwd=elsewhere, env=ray_head, capture_output=True, text=True, timeout=900)
+    p = subprocess.run(["bash", str(script)], cwd=elsewhere, env=slurm_env, capture_output=True, text=True,
+                       timeout=900)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "actor/pg_loss" in r]
     assert [r["step"] for r in train] == [1, 2] and all(r["stare/gate"] == 1.0 and "acc" in r for r in train)
     assert (run / "checkpoints" / "global_step_2" / "stare_controller.json").exists()
     assert (run / "hydra").is_dir() and not (elsewhere / "outputs").exists()
+    # both nodes joined the cluster the job ran on
+    probe = "import ray; ray.init(address='127.0.0.1:' + __import__('os').environ['STARE_RAY_PORT']); " \
+            "print(sum(n['Alive'] for n in ray.nodes()))"
+    alive = subprocess.run([sys.executable, "-c", probe], env=slurm_env, capture_output=True, text=True, timeout=120)
+    assert alive.stdout.strip().splitlines()[-1] == "2", alive.stderr[-2000:]
+
+
+def test_the_three_launchers_are_written_by_one_code_path(cli, tmp_path, quick_toy):
+    """ray, slurm and skypilot: the same `ray job submit` line; bash parses the scripts; the SkyPilot
+    task loads as YAML with the recipe's nodes and GPUs, and its run section parses as bash."""
+    import yaml
+
+    shared = tmp_path / "shared"
+    data = shared / "data" / "short-cot-qwen2.5-math-7b"
+    data.mkdir(parents=True)
+    (data / "train.parquet").touch()  # checked for, not read, when a script is written
+    submits = {}
+    for launcher in ("ray", "slurm", "skypilot"):
+        script = tmp_path / f"job-{launcher}"
+        code, out, err = cli("train", "-r", "short-cot/qwen2.5-math-7b", "-m", "stare-o1", "--backend", "verl",
+                             "--shared-dir", str(shared), "--emit-script", str(script), "--launcher", launcher,
+                             "--partition", "gpu", "--account", "lab", "--time", "48:00:00",
+                             "--network-interface", "ib0", "--accelerator", "A100-80GB")
+        assert code == 0, err
+        text = script.read_text()
+        if launcher == "skypilot":
+            task = yaml.safe_load(text)
+            assert task["num_nodes"] == 1 and task["resources"] == {"accelerators": "A100-80GB:8"}
+            assert task["envs"]["NCCL_SOCKET_IFNAME"] == task["envs"]["GLOO_SOCKET_IFNAME"] == "ib0"
+            assert "SKYPILOT_NODE_RANK" in task["run"] and "SKYPILOT_NODE_IPS" in task["run"]
+            body = task["run"]
+        else:
+            body = text
+        check = subprocess.run(["bash", "-n"], input=body, capture_output=True, text=True)
+        assert check.returncode == 0, check.stderr
+        run = out.strip().splitlines()[-1]  # each script is a run of its own: its directory differs
+        submits[launcher] = ("ray job submit" + body.split("ray job submit", 1)[1].split("\n\n")[0]).replace(run, "RUN")
+        submits[launcher] = submits[launcher].replace(Path(run).name, "RUN")
+    slurm = (tmp_path / "job-slurm").read_text()
+    for line in ("#SBATCH --nodes=1", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu", "#SBATCH --account=lab",
+                 "#SBATCH --time=48:00:00", "export NCCL_SOCKET_IFNAME=ib0"):
+        assert line in slurm, line
+    # one code path: the submit command is the same in all three (indentation aside)
+    norm = {k: " ".join(v.split()) for k, v in submits.items()}
+    assert norm["ray"] in norm["slurm"] and norm["ray"] in norm["skypilot"]
+    code, out, err = cli("train", "-r", "short-cot/qwen2.5-math-7b", "-m", "stare-o1", "--backend", "verl",
+                         "--launcher", "slurm")
+    assert code == 2 and "--launcher slurm writes a job script" in err
 
 
 def test_emit_script_needs_a_shared_directory(cli, tmp_path):

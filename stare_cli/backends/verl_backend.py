@@ -32,6 +32,7 @@ from stare_cli.core.errors import StareError, install_hint
 from benchmarks.data.registry import dir_name
 
 if TYPE_CHECKING:
+    from stare_cli.backends.verl_launchers import LaunchSpec
     from stare_cli.core.resume import ResumePlan
 
 EXT_MODULE = "stare_cli.backends.verl_ext"
@@ -505,23 +506,14 @@ def package_dirs() -> list[str]:
     return [str(Path(importlib.import_module(p).__file__).parent) for p in ("stare_cli", "baselines", "benchmarks", "recipes")]
 
 
-def ray_job_script(cfg: Recipe, overrides: list[str], run_dir: Path) -> str:
-    """A `ray job submit` script: every path in it is absolute under the shared directory, verl loads our
-    reward manager and extension by package, and our packages travel with the job (py_modules)."""
+def job_script(cfg: Recipe, overrides: list[str], run_dir: Path, launch: Optional["LaunchSpec"] = None) -> str:
+    """The job script of the chosen launcher (verl_launchers.py): every path in it is absolute under the
+    shared directory, verl loads our reward manager and extension by package, and our packages travel
+    with the job (py_modules)."""
+    from stare_cli.backends.verl_launchers import LaunchSpec, job_script as write
+
     runtime_env = {"env_vars": environment(cfg, run_dir), "py_modules": package_dirs()}
-    cmd = " \\\n    ".join(shlex.quote(x) for x in launch_command(cfg, overrides))
-    return (
-        "#!/usr/bin/env bash\n"
-        f"# stare: {cfg.name} with {cfg.method.name} on verl ("
-        + ("the CPU debug path: a Ray cluster started with --num-gpus 1 --num-cpus 16" if cfg.backend.verl.device == "cpu"
-           else f"{cfg.backend.verl.nnodes} node(s) x {cfg.backend.verl.n_gpus_per_node} GPUs")
-        + "). Submit from a machine that reaches the Ray head:\n"
-        "#   RAY_ADDRESS=http://<head>:8265 bash this_script.sh\n"
-        f"# The run directory is {run_dir} (on the shared filesystem every node mounts).\n"
-        "# Every node needs the dependencies (pip install -e '.[verl]' in a stare checkout); the project's own code travels with the job.\n"
-        "set -euo pipefail\n"
-        f"ray job submit --runtime-env-json={shlex.quote(json.dumps(runtime_env))} -- \\\n    {cmd}\n"
-    )
+    return write(cfg, run_dir, runtime_env, launch_command(cfg, overrides), launch or LaunchSpec())
 
 
 def prepare_data(cfg: Recipe, out_dir: Path, limit: Optional[int] = None) -> list[Path]:
@@ -586,7 +578,8 @@ def resume_point(run_dir: Path) -> tuple[int, Optional[Path]]:
 
 
 def run(cfg: Recipe, out_root: Path, dry_run: bool = False, emit_script: Optional[Path] = None,
-        data_dir: Optional[Path] = None, resume: Optional["ResumePlan"] = None) -> Optional[Path]:
+        data_dir: Optional[Path] = None, resume: Optional["ResumePlan"] = None,
+        launch: Optional["LaunchSpec"] = None) -> Optional[Path]:
     """Dry-run (print overrides), write a Ray job script, or launch verl locally. With `resume`,
     verl continues that run from its latest checkpoint (its own resume_mode=auto; our controller
     state comes back with it) and metrics rows after that checkpoint are dropped, to be redone; with
@@ -677,7 +670,7 @@ def run(cfg: Recipe, out_root: Path, dry_run: bool = False, emit_script: Optiona
 
     write_card(run_dir, "started" if resumed_at is None else "resumed")
     if emit_script:
-        emit_script.write_text(ray_job_script(cfg, overrides, run_dir))
+        emit_script.write_text(job_script(cfg, overrides, run_dir, launch))
         emit_script.chmod(0o755)
         print(f"wrote {emit_script}", file=sys.stderr)
         return run_dir
