@@ -33,6 +33,13 @@ class Agg:
     scale: Optional[float] = None
 
 
+def counted_agg(mode: AggMode, mask: Tensor, scale: Optional[float] = None) -> Agg:
+    """An Agg that divides by the counts of `mask` [b, T] (its valid tokens and sequences, at least 1
+    each, so that a part without valid tokens adds 0, not NaN)."""
+    return Agg(mode, num_tokens=max(float(mask.sum()), 1.0), num_seqs=max(float((mask.sum(-1) > 0).sum()), 1.0),
+               scale=scale)
+
+
 def agg_loss(loss_mat: Tensor, mask: Tensor, agg: Agg = Agg()) -> Tensor:
     """Reduce token losses to a scalar.
 

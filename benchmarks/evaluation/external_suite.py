@@ -55,16 +55,11 @@ def _call_options(source: str) -> dict[str, str]:
         for call in (n for n in ast.walk(node) if isinstance(n, ast.Call)):
             for kw in call.keywords:
                 text = ast.unparse(kw.value)
-                if kw.arg == "match_types" and "latex" in text:
-                    continue  # latex (with or without expr) is what our graders extract
-                if kw.arg in ("match_types", "precision", "allow_set_relation_comp", "strict"):
-                    if kw.arg == "precision" and text == "6":
-                        continue
-                    if kw.arg == "precision" and text == "precision":
-                        continue  # a parameter: judged per case below
-                    if kw.arg == "allow_set_relation_comp" and text == "allow_set_relation_comp":
-                        continue
-                    opts.append(f"{kw.arg}={text}")
+                if kw.arg not in ("match_types", *OPTION_NAMES) or text == kw.arg:
+                    continue  # not an option, or a test parameter (judged per case in `collect`)
+                if (kw.arg, text) == ("precision", "6") or (kw.arg == "match_types" and "latex" in text):
+                    continue  # the default precision; latex (with or without expr) is what our graders extract
+                opts.append(f"{kw.arg}={text}")
         out[node.name] = ", ".join(sorted(set(opts)))
     return out
 

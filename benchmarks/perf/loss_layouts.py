@@ -31,7 +31,7 @@ def _selected(calls: list[list[int]], resp: list[int], adv: list[float], surpris
     """(row, position) of every L+ token when each call selects over its own rows."""
     out = set()
     for rows in calls:
-        cand = [(r, s) for r in rows if adv[r] > 0 for s in [surprisal[r]]]
+        cand = [(r, surprisal[r]) for r in rows if adv[r] > 0]
         if not cand:
             continue
         vals = np.concatenate([s for _, s in cand])

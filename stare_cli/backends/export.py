@@ -16,6 +16,7 @@ step, how the weights were obtained, and their SHA-256.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from stare_cli.core.errors import StareError
 from stare_cli.core.runs import atomic_write_text, file_sha256
 
 TRAINER_FILES = {"trainer.pt", "state.json", "manifest.json"}
+_STEP_DIR = re.compile(r"(?:step-|global_step_)(\d+)")  # embedded step-000002, verl global_step_2
 
 
 def is_verl_checkpoint(path: Path) -> bool:
@@ -43,9 +45,7 @@ def find_checkpoint(path: Path, step: Optional[int] = None) -> Path:
     if not ck.is_dir():
         raise StareError(f"{path}: neither a checkpoint nor a run directory with checkpoints/",
                          hint="point at runs/<run> or runs/<run>/checkpoints/step-N (verl: global_step_N)")
-    found = {int(p.name.rsplit("_", 1)[-1].rsplit("-", 1)[-1]): p for p in ck.iterdir()
-             if p.is_dir() and (p.name.startswith("step-") or p.name.startswith("global_step_"))
-             and p.name.rsplit("_", 1)[-1].rsplit("-", 1)[-1].isdigit()}
+    found = {int(m.group(1)): p for p in ck.iterdir() if p.is_dir() and (m := _STEP_DIR.fullmatch(p.name))}
     if not found:
         raise StareError(f"{ck}: no checkpoints", hint="train first, or point at another run")
     if step is None:
@@ -110,13 +110,15 @@ def export(path: Path, out: Path, step: Optional[int] = None) -> Path:
 
 
 def cached_export(ckpt: Path, cache_root: Path) -> Path:
-    """A verl checkpoint exported once into the cache (keyed by its path and modification time), for
+    """A verl checkpoint exported once into the cache (keyed by its path and modification time; built
+    once whoever asks at the same time, benchmarks.data.cache.build_once), for
     `stare eval --model RUN/checkpoints/global_step_N`."""
     import hashlib
+
+    from benchmarks.data.cache import build_once
 
     ckpt = Path(ckpt).resolve()
     key = hashlib.sha256(f"{ckpt}:{(ckpt / 'actor').stat().st_mtime_ns}".encode()).hexdigest()[:16]
     out = Path(cache_root) / "exports" / f"{ckpt.parent.parent.name}-{ckpt.name}-{key}"
-    if (out / "export.json").exists():
-        return out
-    return export(ckpt, out)
+    build_once(out, lambda tmp: export(ckpt, tmp))
+    return out

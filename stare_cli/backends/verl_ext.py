@@ -345,7 +345,7 @@ def verl_agg(loss_agg_mode: str, config: Any):
 def layer_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
                       rollout_is_weights=None):
     """verl's policy-loss signature around the method layer's loss (registered as `stare_layer`)."""
-    from baselines import Agg
+    from baselines.aggregation import counted_agg
     from stare_cli.method.layer import LossInputs
 
     call = _CALL.get()
@@ -355,19 +355,17 @@ def layer_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_ag
     if rollout_is_weights is not None:  # verl multiplies token losses by these; so does scaling A (w > 0)
         advantages = advantages * rollout_is_weights
     mask = response_mask.float()
-    if call.scale is None:
-        agg = verl_agg(loss_agg_mode, config)
-    else:  # the official layout: the call's own counts (the legacy worker's agg_loss), then its scale
-        info = dict(getattr(config, "global_batch_info", {}) or {})
-        agg = Agg(loss_agg_mode, num_tokens=max(float(mask.sum()), 1.0),
-                  num_seqs=max(float((mask.sum(-1) > 0).sum()), 1.0), scale=info.get("loss_scale_factor"))
+    info = dict(getattr(config, "global_batch_info", {}) or {})
+    # the official layout: the call's own counts (the legacy worker's agg_loss), then its scale
+    agg = verl_agg(loss_agg_mode, config) if call.scale is None else \
+        counted_agg(loss_agg_mode, mask, info.get("loss_scale_factor"))
     loss, stats = call.layer.loss(LossInputs(
         log_prob=log_prob, old_log_prob=old_log_prob, advantages=advantages, mask=mask,
         agg=agg, entropy=call.entropy, stare=call.state))
     if call.scale is not None:
         # x dp_size: the engine's gradient all-reduce averages over verl's real ranks, while the
         # emulated ranks' average is already in the scale
-        loss = loss * (call.scale * float(dict(getattr(config, "global_batch_info", {}) or {}).get("dp_size", 1) or 1))
+        loss = loss * (call.scale * float(info.get("dp_size", 1) or 1))
         stats["layout/scale"] = call.scale
     names = {"clip_frac": "actor/pg_clipfrac", "clip_frac_lower": "actor/pg_clipfrac_lower", "ppo_kl": "actor/ppo_kl"}
     return loss, {names.get(k, k if k.startswith("stare/") else f"actor/{k}"): float(v) for k, v in stats.items()}

@@ -87,13 +87,15 @@ def ray_script(cfg: Recipe, run_dir: Path, submit: str, spec: LaunchSpec) -> str
 PORTS = [f'ray_port="${{STARE_RAY_PORT:-{RAY_PORT}}}"', f'dash_port="${{STARE_RAY_DASHBOARD_PORT:-{DASHBOARD_PORT}}}"']
 
 
-def _start_node(head: bool, gpus: int, cpus: int, ip: str) -> str:
-    """`ray start` for the head (its IP, ports) or a worker (the head's address); blocks."""
+def _start_node(head: bool, gpus: int, cpus: int, ip: str, block: bool = True) -> str:
+    """`ray start` for the head (its IP, ports) or a worker (the head's address); `block`: stay in the
+    foreground (a SLURM job step), else return once the node runs (SkyPilot)."""
+    tail = " --block" if block else ""
     if head:
         return (f'ray start --head --node-ip-address={ip} --port="$ray_port" --include-dashboard=true '
                 f'--dashboard-host=0.0.0.0 --dashboard-port="$dash_port" --num-gpus={gpus} --num-cpus={cpus} '
-                "--disable-usage-stats --block")
-    return f'ray start --address={ip}:"$ray_port" --num-gpus={gpus} --num-cpus={cpus} --block'
+                f"--disable-usage-stats{tail}")
+    return f'ray start --address={ip}:"$ray_port" --num-gpus={gpus} --num-cpus={cpus}{tail}'
 
 
 def _wait_for_nodes(n: str, ip: str) -> list[str]:
@@ -147,13 +149,13 @@ def skypilot_task(cfg: Recipe, run_dir: Path, submit: str, spec: LaunchSpec) -> 
         *PORTS,
         f'head_ip={head_ip}',
         'if [ "$SKYPILOT_NODE_RANK" = "0" ]; then',
-        f'  {_start_node(True, gpus, cpus, "$head_ip").replace(" --block", "")}',
+        f'  {_start_node(True, gpus, cpus, "$head_ip", block=False)}',
         *["  " + x for x in _wait_for_nodes("$SKYPILOT_NUM_NODES", "$head_ip")],
         '  export RAY_ADDRESS="http://$head_ip:$dash_port"',
         "  " + submit.replace("\n", "\n  "),
         "else",
         "  sleep 10",
-        f'  {_start_node(False, gpus, cpus, "$head_ip").replace(" --block", "")}',
+        f'  {_start_node(False, gpus, cpus, "$head_ip", block=False)}',
         "fi",
     ])
     task = {

@@ -40,12 +40,10 @@ def _load(run_dir: Path) -> dict[str, Any]:
     return {"meta": meta, "cfg": cfg, "cfg_text": cfg_text, "history": history, "rows": rows}
 
 
-def _sha(text_or_path) -> str:
+def _sha(text: str) -> str:
     import hashlib
 
-    if isinstance(text_or_path, Path):
-        return file_sha256(text_or_path)
-    return hashlib.sha256(text_or_path.encode()).hexdigest()
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def data_files(run_dir: Path, cfg: dict, meta: dict) -> list[tuple[str, str]]:
@@ -53,22 +51,19 @@ def data_files(run_dir: Path, cfg: dict, meta: dict) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
     train = str((cfg.get("data") or {}).get("train", ""))
     if train and Path(train).is_file():
-        out.append((train, _sha(Path(train))))
+        out.append((train, file_sha256(Path(train))))
     elif train:
         out.append((train, "named source (hub dataset or built-in set): no local file"))
-    for o in meta.get("overrides") or []:  # verl: the parquet files `stare data prepare` wrote
-        key, _, val = str(o).partition("=")
-        if key in ("data.train_files", "data.val_files"):
-            for f in val.strip("[]").split(","):
-                f = f.strip().strip("'\"")
-                if f and Path(f).is_file():
-                    out.append((f, _sha(Path(f))))
+    for key in ("data.train_files", "data.val_files"):  # verl: the parquet files `stare data prepare` wrote
+        for f in _override_paths(meta, key):
+            if Path(f).is_file():
+                out.append((f, file_sha256(Path(f))))
     env_dir = meta.get("stare_data_dir") or os.environ.get("STARE_DATA_DIR")
     if env_dir and Path(env_dir).is_dir():
         for b in (cfg.get("eval") or {}).get("benchmarks") or []:
             f = Path(env_dir) / f"{b}.jsonl"
             if f.is_file():
-                out.append((str(f), _sha(f)))
+                out.append((str(f), file_sha256(f)))
     return out
 
 
@@ -76,11 +71,18 @@ def _rerun(run_dir: Path, cfg: dict, meta: dict) -> str:
     m = (cfg.get("method") or {}).get("name", "?")
     backend = meta.get("backend") or (cfg.get("backend") or {}).get("name", "embedded")
     cmd = f"stare train --recipe {shlex.quote(str(run_dir / 'config.yaml'))} --method {m} --backend {backend}"
-    for o in meta.get("overrides") or []:  # verl: the data directory `stare data prepare` wrote
-        key, _, val = str(o).partition("=")
-        if key == "data.train_files":
-            cmd += f" --data-dir {shlex.quote(str(Path(val.strip(chr(39))).parent))}"
+    for f in _override_paths(meta, "data.train_files")[:1]:  # verl: the directory `stare data prepare` wrote
+        cmd += f" --data-dir {shlex.quote(str(Path(f).parent))}"
     return cmd + " --out runs"
+
+
+def _override_paths(meta: dict, key: str) -> list[str]:
+    """The paths a verl run's override `key=...` gave (a path, or a list of them), from meta.json."""
+    for o in meta.get("overrides") or []:
+        k, _, val = str(o).partition("=")
+        if k == key:
+            return [f.strip().strip("'\"") for f in val.strip("[]").split(",") if f.strip().strip("'\"")]
+    return []
 
 
 def _tracker(run_dir: Path, cfg: dict) -> str:
@@ -96,9 +98,10 @@ def _last(rows: list[dict], pred) -> Optional[dict]:
     return picked[-1] if picked else None
 
 
-def card_row(run_dir: Path) -> dict[str, Any]:
-    """The card's facts as one row (run, commit, recipe hash, method, backend, step, packages)."""
-    d = _load(Path(run_dir))
+def card_row(run_dir: Path, d: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """The card's facts as one row (run, commit, recipe hash, method, backend, step, packages); `d`:
+    the run's records when already read."""
+    d = d or _load(Path(run_dir))
     meta, cfg, rows = d["meta"], d["cfg"], d["rows"]
     pk = meta.get("packages", {})
     return {"run": Path(run_dir).name, "commit": meta.get("git_sha") or "unknown",
@@ -116,7 +119,7 @@ def write_card(run_dir: Path, status: str = "started") -> Path:
     meta, cfg, rows, history = d["meta"], d["cfg"], d["rows"], d["history"]
     argv = meta.get("argv") or []
     typed = "stare " + " ".join(shlex.quote(a) for a in argv[1:]) if argv else "(not recorded)"
-    row = card_row(run_dir)
+    row = card_row(run_dir, d)
     lines = [f"# Reproduction card: {run_dir.name}", "",
              f"Status: **{status}**, step {row['steps']} of {row['of']}. Written by stare from this run directory's "
              "records; rebuild it with `python -c \"from stare_cli.core.card import write_card; write_card('DIR')\"`.",
@@ -143,7 +146,7 @@ def write_card(run_dir: Path, status: str = "started") -> Path:
               f"- resolved recipe: `config.yaml`, SHA-256 `{_sha(d['cfg_text']) if d['cfg_text'] else '-'}`"]
     eff = run_dir / "verl_effective_config.json"
     if eff.exists():
-        lines.append(f"- verl's effective configuration: `verl_effective_config.json`, SHA-256 `{_sha(eff)}`")
+        lines.append(f"- verl's effective configuration: `verl_effective_config.json`, SHA-256 `{file_sha256(eff)}`")
     if meta.get("reward_grader"):
         lines.append(f"- training reward grader: `{meta['reward_grader']}`")
     lines += ["", "## Data", ""]

@@ -48,6 +48,7 @@ from baselines import (
     top_entropy_mask,
     w_reinforce_advantage,
 )
+from baselines.aggregation import counted_agg
 from baselines.losses import clip_cov_loss, entropy_bonus, gspo_loss, kl_cov_loss, ppo_clip_loss
 from baselines.micro_batches import LossCall, official_loss_calls
 from baselines.registry import MethodSpec
@@ -274,10 +275,8 @@ class MethodLayer:
     def call_agg(self, call: LossCall, mask: Tensor, mini_rows: Sequence[int]) -> Agg:
         """The aggregation of one loss call: its own counts under the official layout (the legacy
         worker's agg_loss without global counts), else the whole mini-batch's. mask: [B, T] loss mask."""
-        mode, scale = self.cfg.loss_agg, self.recipe.rollout.max_response_tokens
-        m = mask[list(call.rows if call.own_norm else mini_rows)]  # a call without valid tokens adds 0, not NaN
-        return Agg(mode, num_tokens=max(float(m.sum()), 1.0), num_seqs=max(float((m.sum(-1) > 0).sum()), 1.0),
-                   scale=scale)
+        rows = call.rows if call.own_norm else mini_rows
+        return counted_agg(self.cfg.loss_agg, mask[list(rows)], self.recipe.rollout.max_response_tokens)
 
     # ---- 7. loss
     def loss(self, x: LossInputs) -> tuple[Tensor, dict[str, Union[Tensor, float]]]:
