@@ -147,7 +147,8 @@ def clip_cov_loss(
     Args:
         log_prob, old_log_prob, adv, mask: [B, T].
         clip_low, clip_high: the PPO clip range.
-        ratio_frac: share of valid tokens detached.
+        ratio_frac: share of valid tokens detached (0: none, the end of an annealing; any share > 0
+            detaches at least one token, as verl).
         cov_lb, cov_ub: the covariance window.
         generator: RNG for the random choice (verl uses the global RNG; pass one for parity).
         agg: aggregation.
@@ -161,9 +162,11 @@ def clip_cov_loss(
     clip_by_origin = (pg2 > pg1) & (mask > 0)
     cov = (adv - masked_mean(adv, mask)) * (log_prob - masked_mean(log_prob.detach(), mask))
     cov = cov.detach().masked_fill(mask == 0, -torch.inf).masked_fill(clip_by_origin, -torch.inf)
-    n_clip = max(int(ratio_frac * mask.sum().item()), 1)
+    n_clip = max(int(ratio_frac * mask.sum().item()), 1) if ratio_frac > 0 else 0  # 0: annealed off
     idx = torch.nonzero((cov < cov_ub) & (cov > cov_lb) & (mask > 0))
-    if len(idx) > 0:
+    if n_clip == 0:
+        idx = idx[:0]
+    elif len(idx) > 0:
         perm = torch.randperm(len(idx), generator=generator)
         idx = idx[perm[: min(n_clip, len(idx))].to(idx.device)]
     corr = torch.ones_like(adv)

@@ -31,6 +31,8 @@ class MethodSpec:
     stare: Optional[Literal["o1", "c2"]] = None
     entro_adv: bool = False
     top_entropy: bool = False
+    stapo: bool = False  # STAPO's spurious-token mask (baselines/token_filters.py)
+    cov_kernel: bool = False  # covariance-aware Gaussian-kernel token weights (baselines/token_filters.py)
     defaults: dict[str, Any] = field(default_factory=dict)
 
 
@@ -93,6 +95,18 @@ METHODS: dict[str, MethodSpec] = {
             "w-reinforce", "W-REINF", "arXiv 2506.01347",
             "REINFORCE with A = lambda (correct) / -1 (wrong), lambda 0.1; no dynamic sampling",
             advantage="w_reinforce", defaults=_ds(method__dynamic_sampling=False),
+        ),
+        MethodSpec(
+            "stapo", "STAPO", "arXiv 2602.15620",
+            "GRPO-ds, silencing spurious tokens (A > 0, pi < tau_p 0.01, H < 5th-percentile entropy): masked out "
+            "of the loss, which renormalises over the rest",
+            stapo=True, defaults=_ds(),  # tau_p 0.01, tau_h the 5th entropy percentile: the paper (method.stapo.*)
+        ),
+        MethodSpec(
+            "cov-kernel", "CovKernel", "arXiv 2605.11538",
+            "GRPO-ds, A' = w A with w = exp(-(c - mean c)^2 / (2 var c)) on the centred covariance "
+            "c = (log pi - mean)(A - mean): hyperparameter-free",
+            cov_kernel=True, defaults=_ds(),
         ),
         MethodSpec(
             "stare-o1", "STARE-O1", "arXiv 2606.19236", "GRPO-ds + W on the top-P surprisal tokens of T+ while H < H_tgt",

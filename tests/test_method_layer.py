@@ -45,7 +45,15 @@ def _layer(method: str, scope: str, tokens) -> MethodLayer:
          "method.overlong.buffer=8"]
     if method == "entropy-reg":
         o.append("method.entropy_coef=0.05")
+    if method == "stapo":  # the fixture's pi >= e^-3.01 = 0.049 and H ~ U(0, 1): thresholds that select some tokens
+        o += ["method.stapo.tau_p=0.2", "method.stapo.tau_h_quantile=0.3"]
+    if method.endswith("+anneal"):  # step 3 of 5 on a cosine to 0.2: factor 0.2 + 0.8 (1 + cos(pi / 2)) / 2 = 0.6
+        method = method.removesuffix("+anneal")
+        o += ["method.cov_anneal.schedule=cosine", "method.cov_anneal.end=0.2", "optim.total_steps=5"]
     return MethodLayer.from_recipe(load_recipe("short-cot/qwen2.5-math-7b", method, o))
+
+
+STEP = 3  # the training step the two-backend test runs (1-based)
 
 
 # --------------------------------------------------------------- the official function, same rows
@@ -123,10 +131,10 @@ def _embedded(layer: MethodLayer, b: dict):
     for k, idx in enumerate(layer.micro_batches((b["prompt"] + b["resp"]).tolist())):
         loss, _ = layer.loss(LossInputs(new[idx], b["old"][idx], bt.advantages[idx], bt.mask[idx], agg,
                                         entropy=b["ent_cur"][idx], stare=state,
-                                        generator=torch.Generator().manual_seed(1000 + k)))
+                                        generator=torch.Generator().manual_seed(1000 + k), step=STEP))
         total = total + loss
     (grad,) = torch.autograd.grad(total, new)
-    return bt.advantages, total.detach(), grad
+    return bt.advantages, bt.mask, total.detach(), grad
 
 
 def _nested(rows: list[torch.Tensor]) -> torch.Tensor:
@@ -149,7 +157,8 @@ def _verl(layer: MethodLayer, b: dict):
     assert getattr(losses.ppo_loss, "_stare", False)
     scores = torch.zeros(b["B"], b["T"])
     scores[torch.arange(b["B"]), b["resp"] - 1] = b["acc"]  # verl puts the reward on the last token
-    out = driver_step(layer, layer.recipe.model_dump(mode="json"), b["uids"], scores, b["mask"], b["old"], b["ent"])
+    out = driver_step(layer, layer.recipe.model_dump(mode="json"), b["uids"], scores, b["mask"], b["old"], b["ent"], STEP)
+    loss_mask = b["mask"] if out.loss_mask is None else out.loss_mask  # what the driver writes as verl's masks
     cfg = layer.recipe
     config = FSDPActorConfig(
         ppo_micro_batch_size_per_gpu=cfg.optim.micro_batch_size, rollout_n=cfg.rollout.n,
@@ -176,31 +185,36 @@ def _verl(layer: MethodLayer, b: dict):
             en = torch.cat([torch.zeros(P - 1), b["ent_cur"][i, :R], torch.zeros(1)])
             full_lp.append(lp)
             full_ent.append(en)
-            for name, t in (("old_log_probs", b["old"]), ("advantages", out.advantages), ("response_mask", b["mask"])):
+            for name, t in (("old_log_probs", b["old"]), ("advantages", out.advantages), ("response_mask", loss_mask)):
                 rows.setdefault(name, []).append(t[i, :R])
             rows.setdefault("prompts", []).append(torch.ones(P, dtype=torch.long))
             rows.setdefault("responses", []).append(torch.ones(R, dtype=torch.long))
         data = TensorDict({k2: _nested(v) for k2, v in rows.items()}, batch_size=len(idx))
-        tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=int(b["mask"].sum()), global_batch_size=b["B"])
+        tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=int(loss_mask.sum()), global_batch_size=b["B"])
         tu.assign_non_tensor_data(data, "stare_layer", out.payload)
         torch.manual_seed(1000 + k)  # verl's Clip-Cov draws from the global RNG
         loss, _ = losses.ppo_loss(config, {"log_probs": _nested(full_lp), "entropy": _nested(full_ent)}, data)
         total = total + loss
     (grad,) = torch.autograd.grad(total, new)
-    return out.advantages, total.detach(), grad
+    return out.advantages, loss_mask, total.detach(), grad
 
 
 CASES = [(m, "official", 160) for m in METHODS] + [("stare-o1", "batch", 160), ("stare-c2", "batch", 160),
-                                                  ("stare-c2", "official", None), ("grpo-ds", "official", None)]
+                                                  ("stare-c2", "official", None), ("grpo-ds", "official", None),
+                                                  ("clip-cov+anneal", "official", 160),
+                                                  ("kl-cov+anneal", "official", 160), ("stapo", "official", None)]
 
 
 @pytest.mark.parametrize("method,scope,tokens", CASES, ids=[f"{m}-{s}-{t}" for m, s, t in CASES])
 def test_one_batch_through_both_backends_gives_identical_advantages_weights_and_loss(method, scope, tokens):
     b = _rollout(7)
     b["ent_cur"] = (b["ent"] + 0.05 * b["mask"]).requires_grad_(False)  # the current policy's entropy
-    adv_e, loss_e, grad_e = _embedded(_layer(method, scope, tokens), b)
-    adv_v, loss_v, grad_v = _verl(_layer(method, scope, tokens), b)
+    adv_e, mask_e, loss_e, grad_e = _embedded(_layer(method, scope, tokens), b)
+    adv_v, mask_v, loss_v, grad_v = _verl(_layer(method, scope, tokens), b)
     assert_close(adv_v, adv_e)
+    assert torch.equal(mask_v, mask_e)
+    if method == "stapo":  # tokens were silenced: both backends renormalise over the same remaining tokens
+        assert 0 < (b["mask"] - mask_e).sum() < b["mask"].sum()
     assert_close(loss_v, loss_e)
     # d loss / d log pi carries every token's effective advantage (w * A): identical weights
     assert_close(grad_v, grad_e)

@@ -301,7 +301,7 @@ def test_verls_loss_path_under_the_official_layout_is_the_official_workers(varia
     scores = torch.zeros(32, b["mask"].shape[1])
     scores[torch.arange(32), torch.tensor(b["resp"]) - 1] = b["acc"].float()
     out = driver_step(layer, cfg.model_dump(mode="json"), [f"u{i // 4}" for i in range(32)], scores,
-                      b["mask"].float(), b["old"].float(), b["ent"].float())
+                      b["mask"].float(), b["old"].float(), b["ent"].float(), 1)
     config = FSDPActorConfig(
         ppo_micro_batch_size_per_gpu=4, rollout_n=cfg.rollout.n, ppo_mini_batch_size=cfg.optim.mini_batch_size,
         clip_ratio=0.2, clip_ratio_low=cfg.method.clip_low, clip_ratio_high=cfg.method.clip_high,

@@ -205,7 +205,7 @@ def test_driver_step_runs_the_method_layer():
     cfg = load_recipe("short-cot/qwen2.5-math-7b", "stare-c2", [*PER_GROUP, "method.stare.P=0.34",
                                                                 "method.stare.scope=batch"])
     layer = MethodLayer.from_recipe(cfg)
-    out = driver_step(layer, cfg.model_dump(mode="json"), uids, scores, mask, old, ent)
+    out = driver_step(layer, cfg.model_dump(mode="json"), uids, scores, mask, old, ent, 1)
     # GRPO: group a: mean 0.5, unbiased std of [1, 0] = 0.7071 -> A = +-0.5 / 0.7071 = +-0.7071; group b: 0.
     # Gate on (H = 0.1 < 0.3).
     # T+ = 3 tokens of row 0, k = int(3 * 0.34 + 0.999999) = 2: surprisal 3.0 and 0.2 get W = 1.1;
@@ -215,7 +215,7 @@ def test_driver_step_runs_the_method_layer():
     assert_close(out.advantages, want)
     assert out.metrics["stare/gate"] == 1.0 and out.payload["state"] == {"gate": True, "W": 1.1, "M": 0.9}
     official = MethodLayer.from_recipe(load_recipe("short-cot/qwen2.5-math-7b", "stare-o1", PER_GROUP))
-    out = driver_step(official, {}, uids, scores, mask, old, ent)
+    out = driver_step(official, {}, uids, scores, mask, old, ent, 1)
     assert_close(out.advantages[0], torch.tensor([a, a, a, 0.0]))  # official scope: weights come in the loss
     assert "stare/sel_pos" not in out.metrics
 

@@ -670,7 +670,7 @@ def ppo_updates(policy: Policy, layer, old: OldPass, tb: TrainBatch, cfg: Recipe
                 loss, st = layer.loss(LossInputs(
                     log_prob=lp.float(), old_log_prob=old.old_logp[idx], advantages=bt.advantages[idx],
                     mask=bt.mask[idx], agg=layer.call_agg(call, bt.mask, mini), entropy=None if en is None else en.float(),
-                    stare=tb.stare_state, generator=gen))
+                    stare=tb.stare_state, generator=gen, step=step + 1))
                 loss = loss * call.scale if call.scale != 1.0 else loss
                 (scaler.scale(loss) if scaler else loss).backward()
                 for k, v in st.items():

@@ -288,7 +288,8 @@ TABLE: list[Row] = [
                                       "stare.m_min", "stare.scope", "clip_cov.ratio", "clip_cov.cov_lb",
                                       "clip_cov.cov_ub", "kl_cov.ratio", "kl_cov.coef", "gspo.clip_low",
                                       "gspo.clip_high", "entro_adv.alpha", "entro_adv.kappa", "top_entropy_frac",
-                                      "w_reinforce_lambda")),
+                                      "w_reinforce_lambda", "stapo.tau_p", "stapo.tau_h_quantile",
+                                      "cov_anneal.schedule", "cov_anneal.end", "cov_anneal.steps")),
         "layer", "the method layer inside verl's processes"),
     Row(("reward.fn", "reward.format_penalty", "reward.timeout_s"), "layer", "the method layer's reward, as verl's "
         "reward manager", lambda c: {"reward.reward_manager.source": "importlib",

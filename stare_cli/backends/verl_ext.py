@@ -71,18 +71,23 @@ def recipe_of(config: Any) -> Optional[dict]:
 # -------------------------------------------------------------------------------------- the driver
 @dataclass
 class DriverStep:
-    """The driver's result for one batch: token advantages [B, T], metrics, the actor's payload."""
+    """The driver's result for one batch: token advantages [B, T], metrics, the actor's payload, and the
+    method layer's loss mask [B, T] where it differs from the rollout's (STAPO's silenced tokens; None
+    otherwise): the driver writes it as verl's response_mask and loss_mask, the masks verl's policy
+    loss and its global token count read."""
 
     advantages: torch.Tensor
     metrics: dict[str, float]
     payload: dict[str, Any]
+    loss_mask: Optional[torch.Tensor] = None
 
 
 def driver_step(layer, recipe: dict, uids: list, rm_scores: torch.Tensor, response_mask: torch.Tensor,
-                old_log_probs: torch.Tensor, entropy: torch.Tensor) -> DriverStep:
+                old_log_probs: torch.Tensor, entropy: torch.Tensor, step: int) -> DriverStep:
     """Controller update and batch transform for one batch of padded [B, T] tensors (uids: [B] group
-    ids as verl keeps them). The controller sees the token-mean entropy over the response mask, the
-    number verl logs as actor/entropy under token-mean aggregation."""
+    ids as verl keeps them) at training step `step` (1-based, verl's global_steps). The controller sees
+    the token-mean entropy over the response mask, the number verl logs as actor/entropy under
+    token-mean aggregation."""
     from stare_cli.method.layer import BatchInputs
 
     index = {u: i for i, u in enumerate(dict.fromkeys(uids))}
@@ -94,7 +99,8 @@ def driver_step(layer, recipe: dict, uids: list, rm_scores: torch.Tensor, respon
         old_log_prob=old_log_probs.float(), entropy=entropy.float(),
         finished=torch.ones(len(uids), dtype=torch.bool)), state)
     metrics.update(bt.metrics)
-    return DriverStep(bt.advantages, metrics, {"recipe": recipe, "state": None if state is None else state.to_dict()})
+    payload = {"recipe": recipe, "state": None if state is None else state.to_dict(), "step": int(step)}
+    return DriverStep(bt.advantages, metrics, payload, None if torch.equal(bt.mask, m) else bt.mask)
 
 
 def _install_driver() -> None:  # pragma: no cover - runs inside verl's driver (tests/test_verl_cpu.py)
@@ -133,10 +139,13 @@ def _install_driver() -> None:  # pragma: no cover - runs inside verl's driver (
         infos = [getattr(x, "data", x) for x in data.pop("extra_fields").tolist()]
         padded = data.to_padded_tensor()
         out = driver_step(layer, recipe, uids, padded["rm_scores"], padded["response_mask"], padded["old_log_probs"],
-                          padded["entropy"])
+                          padded["entropy"], self.global_steps)
+        put = {"advantages": response_to_nested(out.advantages, nested_mask)}
+        if out.loss_mask is not None:  # STAPO: the silenced tokens leave verl's loss and its token count
+            lm = response_to_nested(out.loss_mask.to(nested_mask.dtype), nested_mask)
+            put.update(response_mask=lm, loss_mask=lm)
         batch = tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
-                                fields=TensorDict({"advantages": response_to_nested(out.advantages, nested_mask)},
-                                                  batch_size=len(batch)))
+                                fields=TensorDict(put, batch_size=len(batch)))
         batch.extra_info[LAYER_KEY] = out.payload
         texts = self.tokenizer.batch_decode([r.tolist() for r in responses.unbind()], skip_special_tokens=True)
         out.metrics.update(_step_text_metrics(self, layer, texts, padded["rm_scores"].sum(-1).tolist(), uids))
@@ -325,6 +334,7 @@ class _Call:
     entropy: Optional[torch.Tensor]
     state: Any  # StareState or None
     scale: Optional[float] = None  # the official layout's factor for this loss call (None: verl's global layout)
+    step: Optional[int] = None  # the training step (1-based): an annealed Clip-Cov/KL-Cov reads it
 
 
 _CALL: contextvars.ContextVar[Optional[_Call]] = contextvars.ContextVar("stare_loss_call", default=None)
@@ -361,7 +371,7 @@ def layer_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_ag
         counted_agg(loss_agg_mode, mask, info.get("loss_scale_factor"))
     loss, stats = call.layer.loss(LossInputs(
         log_prob=log_prob, old_log_prob=old_log_prob, advantages=advantages, mask=mask,
-        agg=agg, entropy=call.entropy, stare=call.state))
+        agg=agg, entropy=call.entropy, stare=call.state, step=call.step))
     if call.scale is not None:
         # x dp_size: the engine's gradient all-reduce averages over verl's real ranks, while the
         # emulated ranks' average is already in the scale
@@ -391,7 +401,7 @@ def wrap_ppo_loss(orig):
         scale = float(data[SCALE_FIELD][0]) if SCALE_FIELD in data.keys() else None
         token = _CALL.set(_Call(layer_for(payload["recipe"]),
                                 None if entropy is None else no_padding_2_padding(entropy, data).float(),
-                                None if state is None else StareState.from_dict(state), scale))
+                                None if state is None else StareState.from_dict(state), scale, payload.get("step")))
         try:
             return orig(config, model_output, data, dp_group)
         finally:

@@ -224,6 +224,25 @@ class KLCovConfig(_Strict):
     coef: StrictFloat = Field(1.0, ge=0, description="KL penalty coefficient (published 7B value).")
 
 
+class StapoConfig(_Strict):
+    tau_p: StrictFloat = Field(0.01, gt=0, le=1, description="STAPO: a positive-advantage token is spurious when its "
+                               "probability under the rollout policy is below tau_p (paper: 0.01) and ...")
+    tau_h_quantile: StrictFloat = Field(
+        0.05, ge=0, le=1, description="... its entropy is below this quantile of the batch's valid-token entropies "
+        "(paper: the 5th percentile, 0.05). Spurious tokens leave the loss mask.")
+
+
+class CovAnnealConfig(_Strict):
+    schedule: Literal["none", "linear", "cosine"] = Field(
+        "none", description="Anneal Clip-Cov's detached share (clip_cov.ratio) and KL-Cov's coefficient (kl_cov.coef) "
+        "by a factor from 1 at step 1 to `end` at step `steps` (arXiv 2604.09676: unbiased only when annealed). "
+        "Only clip-cov and kl-cov take it.")
+    end: StrictFloat = Field(0.0, ge=0, le=1, description="The factor at the end of the annealing (0: off; Clip-Cov "
+                             "then detaches no token).")
+    steps: Optional[StrictInt] = Field(None, ge=1, description="Steps to anneal over (None: optim.total_steps); the "
+                                       "factor stays at `end` after them.")
+
+
 class GSPOConfig(_Strict):
     clip_low: StrictFloat = Field(3e-4, gt=0, description="Sequence-ratio clip below 1 (GSPO paper).")
     clip_high: StrictFloat = Field(4e-4, gt=0, description="Sequence-ratio clip above 1 (GSPO paper).")
@@ -251,10 +270,22 @@ class MethodConfig(_Strict):
     stare: StareConfig = Field(default_factory=StareConfig)
     clip_cov: ClipCovConfig = Field(default_factory=ClipCovConfig)
     kl_cov: KLCovConfig = Field(default_factory=KLCovConfig)
+    cov_anneal: CovAnnealConfig = Field(default_factory=CovAnnealConfig)
+    stapo: StapoConfig = Field(default_factory=StapoConfig)
     gspo: GSPOConfig = Field(default_factory=GSPOConfig)
     entro_adv: EntroAdvConfig = Field(default_factory=EntroAdvConfig)
     top_entropy_frac: StrictFloat = Field(0.2, gt=0, le=1, description="80/20: share of highest-entropy tokens trained.")
     w_reinforce_lambda: StrictFloat = Field(0.1, ge=0, description="W-REINFORCE weight of positive samples.")
+
+    @model_validator(mode="after")
+    def _anneal_only_for_covariance(self) -> "MethodConfig":
+        from baselines.registry import METHODS
+
+        spec = METHODS.get(self.name.strip().lower())
+        if self.cov_anneal.schedule != "none" and spec is not None and spec.loss not in ("clip_cov", "kl_cov"):
+            raise ValueError(f"method.cov_anneal anneals Clip-Cov and KL-Cov only; method {spec.name} does not read it "
+                             "(set cov_anneal.schedule: none)")
+        return self
 
 
 class RewardConfig(_Strict):

@@ -13,12 +13,14 @@ So the two backends run the same code for:
 4. the STARE controller (`begin_step`): once per step, from the batch's token-mean entropy of the
    old-log-prob pass; returns the `StareState` (gate, W, M) the loss calls need;
 5. the per-batch transform (`transform_batch`): advantages over tokens, the truncation mask, the
-   80/20 mask (as zero advantages), batch-scope STARE weights, the quadrant diagnostics;
+   80/20 mask (as zero advantages), STAPO's spurious tokens (out of the loss mask), batch-scope STARE
+   weights, the quadrant diagnostics;
 6. the loss calls of a training batch (`update_plan`, `call_agg`): mini-batches, their micro-batches
    (the token budget or fixed rows), and how each call's loss is normalised and scaled: one token-mean
    over the mini-batch, or the official run's data-parallel layout emulated (`optim.loss_layout`);
 7. the policy loss (`loss`): per-loss-call transforms (official-scope STARE on the current log-probs,
-   EntroAdv on the current entropy), one dispatch over the loss family, and the entropy bonus.
+   the covariance Gaussian kernel, EntroAdv on the current entropy), one dispatch over the loss family
+   (Clip-Cov/KL-Cov with their annealing factor for the step), and the entropy bonus.
 
 Recipes are resolved with their method's defining keys below this layer (stare_cli/core/resolve.py:
 `load_recipe`). The tensor math stays in `baselines/`.
@@ -53,6 +55,7 @@ from baselines.losses import clip_cov_loss, entropy_bonus, gspo_loss, kl_cov_los
 from baselines.micro_batches import LossCall, official_loss_calls
 from baselines.registry import MethodSpec
 from baselines.stare import stare_scale
+from baselines.token_filters import anneal_factor, covariance_kernel_weights, spurious_mask
 from stare_cli.core.config import Recipe
 from stare_cli.core.resolve import check_method
 
@@ -126,6 +129,7 @@ class LossInputs:
     entropy: Optional[Tensor] = None
     stare: Optional[StareState] = None
     generator: Optional[torch.Generator] = None
+    step: Optional[int] = None  # the training step (1-based); needed by an annealed Clip-Cov/KL-Cov
 
 
 # ------------------------------------------------------------------------------------------ layer
@@ -228,6 +232,15 @@ class MethodLayer:
         metrics: dict[str, float] = {}
         if self.spec.top_entropy:
             adv = adv * top_entropy_mask(b.entropy, mask, self.cfg.top_entropy_frac)
+        if self.spec.stapo:
+            st = self.cfg.stapo
+            spurious, tau_h = spurious_mask(adv, b.old_log_prob.float(), b.entropy.float(), mask, tau_p=st.tau_p,
+                                            tau_h_quantile=st.tau_h_quantile)
+            n_valid = float(mask.sum())
+            mask = mask * (~spurious).to(mask.dtype)  # silenced: the aggregation renormalises over the rest
+            adv = adv * mask
+            metrics.update({"stapo/spurious_frac": float(spurious.sum()) / max(n_valid, 1.0),
+                            "stapo/tau_h": float(tau_h)})
         if self.spec.stare and self.cfg.stare.scope == "batch":
             if stare is None:
                 raise ValueError("batch-scope STARE needs this step's StareState (begin_step)")
@@ -278,6 +291,15 @@ class MethodLayer:
         rows = call.rows if call.own_norm else mini_rows
         return counted_agg(self.cfg.loss_agg, mask[list(rows)], self.recipe.rollout.max_response_tokens)
 
+    def anneal(self, step: Optional[int]) -> float:
+        """The factor on Clip-Cov's share and KL-Cov's coefficient at training step `step` (1-based)."""
+        a = self.cfg.cov_anneal
+        if a.schedule == "none":
+            return 1.0
+        if step is None:
+            raise ValueError("an annealed Clip-Cov/KL-Cov loss call needs the training step (LossInputs.step)")
+        return anneal_factor(step, a.steps or self.recipe.optim.total_steps, a.schedule, a.end)
+
     # ---- 7. loss
     def loss(self, x: LossInputs) -> tuple[Tensor, dict[str, Union[Tensor, float]]]:
         """The method's loss on one micro-batch (module docstring, step 7); stats are detached 0-dim
@@ -285,7 +307,7 @@ class MethodLayer:
         `float()`."""
         cfg, spec = self.cfg, self.spec
         adv = x.advantages
-        extra: dict[str, float] = {}
+        extra: dict[str, Union[Tensor, float]] = {}
         if spec.entro_adv:
             if x.entropy is None:
                 raise ValueError("entro-adv needs the current policy's token entropy")
@@ -294,17 +316,24 @@ class MethodLayer:
             if x.stare is None:
                 raise ValueError("official-scope STARE needs this step's StareState")
             adv, extra = self._stare(adv, x.log_prob.detach().float(), x.mask, x.stare)
+        if spec.cov_kernel:
+            w, kstats = covariance_kernel_weights(adv, x.log_prob, x.mask)
+            adv = adv * w
+            extra.update({f"covk/{k}": v for k, v in kstats.items()})
         common = dict(log_prob=x.log_prob, old_log_prob=x.old_log_prob, adv=adv, mask=x.mask, agg=x.agg)
         if spec.loss == "ppo_clip":
             loss, stats = ppo_clip_loss(**common, clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip)
         elif spec.loss == "gspo":
             loss, stats = gspo_loss(**common, clip_low=cfg.gspo.clip_low, clip_high=cfg.gspo.clip_high)
         elif spec.loss == "clip_cov":
-            c = cfg.clip_cov
-            loss, stats = clip_cov_loss(**common, clip_low=cfg.clip_low, clip_high=cfg.clip_high, ratio_frac=c.ratio,
+            c, s = cfg.clip_cov, self.anneal(x.step)
+            loss, stats = clip_cov_loss(**common, clip_low=cfg.clip_low, clip_high=cfg.clip_high, ratio_frac=c.ratio * s,
                                         cov_lb=c.cov_lb, cov_ub=c.cov_ub, generator=x.generator)
+            extra["cov_anneal"] = s
         elif spec.loss == "kl_cov":
-            loss, stats = kl_cov_loss(**common, ratio_frac=cfg.kl_cov.ratio, coef=cfg.kl_cov.coef)
+            s = self.anneal(x.step)
+            loss, stats = kl_cov_loss(**common, ratio_frac=cfg.kl_cov.ratio, coef=cfg.kl_cov.coef * s)
+            extra["cov_anneal"] = s
         else:  # pragma: no cover - MethodSpec.loss is a closed Literal
             raise ValueError(spec.loss)
         if cfg.entropy_coef > 0:

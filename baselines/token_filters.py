@@ -1,0 +1,133 @@
+"""Two 2026 token-level methods that act on the same lever as STARE, and an annealing schedule for the
+covariance baselines: pure tensor functions, no I/O.
+
+STAPO (arXiv 2602.15620, "Silencing Rare Spurious Tokens"): a token t is *spurious* when
+    A_t > 0  and  pi(o_t) < tau_p  and  H_t < tau_h,
+its update is silenced (mask M_t = 1 removes it from the loss) and the loss is renormalised over the
+remaining tokens. The paper's defaults as reported: tau_p = 0.01, tau_h = the 5th percentile of the
+token-entropy distribution (about 0.01% of tokens end up spurious).
+Choices where the paper as we could read it is silent (stated here and in the README's Fidelity
+section; no official code was found):
+- pi and H are the rollout policy's (the old-log-prob pass), and the 5th percentile is taken over the
+  valid response tokens of the whole training batch, once per step (`spurious_mask` takes whatever
+  tokens the caller gives it; stare_cli/method/layer.py passes the batch). On the first mini-batch of
+  an on-policy step pi_old == pi_theta, so this differs from the current policy only on later
+  mini-batches / epochs.
+- the percentile is linearly interpolated between order statistics (numpy's default), and the
+  comparisons are strict (H < tau_h: at most the given share of tokens can pass the entropy test).
+- "renormalise over the remaining tokens" is implemented by removing the spurious tokens from the
+  loss mask, so every aggregation (token-mean and the seq-mean modes) divides by the counts without them.
+
+Covariance-aware Gaussian-kernel reweighting (arXiv 2605.11538, "Taming Extreme Tokens"): entropy
+change under softmax policies is driven by the covariance between a token's log-probability and its
+advantage; the per-token covariance term
+    c_t = (log pi_t - mean log pi) (A_t - mean A)
+(the centred product Clip-Cov/KL-Cov rank tokens by, arXiv 2505.22617) is turned into a weight by a
+Gaussian kernel whose centre and bandwidth come from the same tokens, so there is no hyperparameter:
+    w_t = exp(-(c_t - mu_c)^2 / (2 sigma_c^2)),   mu_c = mean c,  sigma_c = std c (population),
+and the loss is PPO-clip on w_t A_t. Tokens with extreme covariance (either sign) are down-weighted;
+typical tokens keep w close to 1. Choices where the paper as we could read it is silent: the means are
+over the valid tokens of one loss call on the current policy's log-probs (detached), as verl computes
+Clip-Cov/KL-Cov's covariance; the weights are not renormalised to mean 1 (a pure down-weighting; the
+run's metrics log the mean weight); sigma_c = 0 (all terms equal) gives w = 1.
+
+Annealing (arXiv 2604.09676 argues Clip-Cov and KL-Cov are asymptotically unbiased only when their
+coefficient is annealed): `anneal_factor` gives the factor s(step) in [end, 1] that multiplies
+KL-Cov's coefficient and Clip-Cov's detached share.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from baselines.aggregation import masked_mean
+
+
+def masked_quantile(x: Tensor, mask: Tensor, q: float) -> Tensor:
+    """The q-quantile of x over mask > 0, linearly interpolated between order statistics (numpy's default).
+
+    Args:
+        x, mask: [B, T]; q in [0, 1].
+    Returns:
+        0-dim float32 tensor; +inf when no token is valid.
+    """
+    v = x.detach()[mask > 0].float().reshape(-1)
+    if v.numel() == 0:
+        return torch.tensor(float("inf"), device=x.device)
+    v, _ = torch.sort(v)
+    pos = q * (v.numel() - 1)
+    lo = int(math.floor(pos))
+    hi = min(lo + 1, v.numel() - 1)
+    return v[lo] + (pos - lo) * (v[hi] - v[lo])
+
+
+def spurious_mask(adv: Tensor, log_prob: Tensor, entropy: Tensor, mask: Tensor, *, tau_p: float = 0.01,
+                  tau_h_quantile: float = 0.05) -> tuple[Tensor, Tensor]:
+    """STAPO's S2T mask (module docstring): spurious = valid & A > 0 & pi < tau_p & H < tau_h, where tau_h
+    is the tau_h_quantile-quantile of H over the valid tokens given.
+
+    Args:
+        adv: [B, T] token advantages; log_prob: [B, T] log pi(o_t); entropy: [B, T] token entropies H_t;
+        mask: [B, T] valid tokens.
+        tau_p: probability threshold (paper: 0.01).
+        tau_h_quantile: the entropy threshold as a quantile of H over valid tokens (paper: 0.05).
+    Returns:
+        spurious: [B, T] bool; tau_h: 0-dim tensor (the entropy threshold used).
+    """
+    valid = mask > 0
+    tau_h = masked_quantile(entropy, mask, tau_h_quantile)
+    low_p = log_prob.detach() < math.log(tau_p)  # pi < tau_p, compared in log space (no underflow)
+    spurious = valid & (adv > 0) & low_p & (entropy.detach() < tau_h)
+    return spurious, tau_h
+
+
+def covariance_kernel_weights(adv: Tensor, log_prob: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    """The Gaussian-kernel token weights of covariance-aware GRPO (module docstring).
+
+    c_t = (log pi_t - mean log pi)(A_t - mean A); w_t = exp(-(c_t - mu_c)^2 / (2 sigma_c^2)), with means and the
+    (population) standard deviation over the valid tokens; w = 1 where sigma_c = 0 and on invalid tokens.
+
+    Args:
+        adv: [B, T] token advantages; log_prob: [B, T] log pi(o_t) (detached here); mask: [B, T].
+    Returns:
+        w: [B, T] float32 in (0, 1]; stats: mean_w (over valid tokens), sigma_c.
+    """
+    valid = mask > 0
+    a = adv.detach().float()
+    lp = log_prob.detach().float()
+    c = (lp - masked_mean(lp, mask)) * (a - masked_mean(a, mask))
+    mu = masked_mean(c, mask)
+    n = valid.sum().clamp(min=1)
+    var = (((c - mu) ** 2) * valid).sum() / n
+    sigma = var.sqrt()
+    z2 = torch.where(sigma > 0, (c - mu) ** 2 / (2 * var).clamp(min=torch.finfo(torch.float32).tiny), torch.zeros_like(c))
+    w = torch.where(valid, torch.exp(-z2), torch.ones_like(c))
+    return w, {"mean_w": masked_mean(w, mask), "sigma_c": sigma}
+
+
+Schedule = Literal["none", "linear", "cosine"]
+
+
+def anneal_factor(step: int, steps: int, schedule: Schedule = "none", end: float = 0.0) -> float:
+    """The factor s in [end, 1] for training step `step` (1-based) of an annealing over `steps` steps.
+
+    Progress p = min((step - 1) / (steps - 1), 1) (p = 1 when steps == 1): the first step runs the full
+    coefficient, step `steps` and later the end value.
+        none:   s = 1
+        linear: s = 1 - (1 - end) p
+        cosine: s = end + (1 - end) (1 + cos(pi p)) / 2
+    """
+    if schedule == "none":
+        return 1.0
+    if step < 1 or steps < 1:
+        raise ValueError(f"step and steps are 1-based, got step={step}, steps={steps}")
+    p = 1.0 if steps == 1 else min((step - 1) / (steps - 1), 1.0)
+    if schedule == "linear":
+        return 1.0 - (1.0 - end) * p
+    if schedule == "cosine":
+        return end + (1.0 - end) * 0.5 * (1.0 + math.cos(math.pi * p))
+    raise ValueError(f"unknown schedule {schedule!r}")
