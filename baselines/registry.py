@@ -23,7 +23,7 @@ LossName = Literal["ppo_clip", "gspo", "clip_cov", "kl_cov"]
 @dataclass(frozen=True)
 class MethodSpec:
     name: str
-    title: str  # the row name in the paper's Table 2
+    title: str  # the row name in the paper's Table 2 (or, for a method after the paper, the name it goes by)
     reference: str
     summary: str
     advantage: AdvName = "grpo"
@@ -33,6 +33,7 @@ class MethodSpec:
     top_entropy: bool = False
     stapo: bool = False  # STAPO's spurious-token mask (baselines/token_filters.py)
     cov_kernel: bool = False  # covariance-aware Gaussian-kernel token weights (baselines/token_filters.py)
+    in_table2: bool = True  # False: published after the paper, so no Table 2 row to compare with
     defaults: dict[str, Any] = field(default_factory=dict)
 
 
@@ -100,13 +101,13 @@ METHODS: dict[str, MethodSpec] = {
             "stapo", "STAPO", "arXiv 2602.15620",
             "GRPO-ds, silencing spurious tokens (A > 0, pi < tau_p 0.01, H < 5th-percentile entropy): masked out "
             "of the loss, which renormalises over the rest",
-            stapo=True, defaults=_ds(),  # tau_p 0.01, tau_h the 5th entropy percentile: the paper (method.stapo.*)
+            stapo=True, in_table2=False, defaults=_ds(),  # tau_p 0.01, tau_h the 5th entropy percentile: the paper (method.stapo.*)
         ),
         MethodSpec(
             "cov-kernel", "CovKernel", "arXiv 2605.11538",
             "GRPO-ds, A' = w A with w = exp(-(c - mean c)^2 / (2 var c)) on the centred covariance "
             "c = (log pi - mean)(A - mean): hyperparameter-free",
-            cov_kernel=True, defaults=_ds(),
+            cov_kernel=True, in_table2=False, defaults=_ds(),
         ),
         MethodSpec(
             "stare-o1", "STARE-O1", "arXiv 2606.19236", "GRPO-ds + W on the top-P surprisal tokens of T+ while H < H_tgt",

@@ -479,7 +479,8 @@ def methods(as_json: JsonOpt = False) -> None:
 
     if as_json:
         rows = [
-            {"name": m.name, "title": m.title, "reference": m.reference, "summary": m.summary, "defaults": m.defaults}
+            {"name": m.name, "title": m.title, "in_table2": m.in_table2, "reference": m.reference, "summary": m.summary,
+             "defaults": m.defaults}
             for m in METHODS.values()
         ]
         typer.echo(json.dumps(rows, indent=2))
@@ -491,7 +492,7 @@ def methods(as_json: JsonOpt = False) -> None:
     for col in ("name", "paper row", "reference", "what it does"):
         t.add_column(col)
     for m in METHODS.values():
-        t.add_row(m.name, m.title, m.reference, m.summary)
+        t.add_row(m.name, m.title if m.in_table2 else f"{m.title} (after the paper)", m.reference, m.summary)
     Console().print(t)
 
 

@@ -2,7 +2,7 @@
 end to end on CPU through `stare train --backend verl --device cpu`, through the method layer: the
 official STARE reward (`reward.fn: stare-official`, our reward manager), the official generation
 batches (our verl sampler), the official loss layout (4 emulated ranks) and the official selection
-scope (inside verl's loss calls). STARE-O1 and GRPO-ds, 2 steps each on the tiny toy model, validation
+scope (inside verl's loss calls). STARE-O1 and STAPO, 2 steps each on the tiny toy model, validation
 before and after, a checkpoint with the controller's state, and a resumed third step.
 
 What it does not exercise is listed in stare_cli/backends/verl_cpu.py (vLLM, NCCL, multi-GPU)."""
@@ -156,21 +156,25 @@ def test_compare_reads_the_verl_run(verl_run, cli):
     assert cells["Toy arith"] == f"{100 * last:.1f}"  # avg@2 in percent, as compare prints it
 
 
-def test_grpo_ds_trains_on_verl_through_the_same_layer_with_fp32_master_weights(verl_tmp, quick_toy):
-    """GRPO-ds through the same layer, with bf16 compute and lr 1e-6 through verl's FSDP2 engine: the
-    master weights are fp32 (fsdp_config.model_dtype), so two AdamW steps of ~1e-6 move almost every
-    weight (bf16 weights near 0.05 have a resolution of ~4e-4 and would barely move)."""
+def test_a_baseline_trains_on_verl_through_the_same_layer_with_fp32_master_weights(verl_tmp, quick_toy):
+    """A baseline through the same layer: STAPO (GRPO-ds whose spurious tokens leave the loss mask; the
+    driver writes that mask as verl's response and loss masks, which the actor then trains on), with
+    thresholds that silence some of the toy's tokens; bf16 compute and lr 1e-6 through verl's FSDP2
+    engine: the master weights are fp32 (fsdp_config.model_dtype), so two AdamW steps of ~1e-6 move
+    almost every weight (bf16 weights near 0.05 have a resolution of ~4e-4 and would barely move)."""
     from safetensors.torch import load_file
 
     # verl's own replay buffer (one prompt per dropped group) and verl's own loss layout
-    run = _train(verl_tmp, quick_toy, "grpo-ds", "optim.precision=bf16", "optim.lr=1e-6",
-                 "rollout.refill=per_group", "optim.loss_layout=global", "optim.micro_batch_tokens=null")
+    run = _train(verl_tmp, quick_toy, "stapo", "optim.precision=bf16", "optim.lr=1e-6",
+                 "rollout.refill=per_group", "optim.loss_layout=global", "optim.micro_batch_tokens=null",
+                 "method.stapo.tau_p=0.5", "method.stapo.tau_h_quantile=0.9")
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "actor/pg_loss" in r]
     assert [r["step"] for r in train] == [1, 2]
     for r in train:
         assert "stare/gate" not in r and "stare/sel_pos" not in r
         assert r["reward"] == pytest.approx(r["acc"]) and "official_score" in r and "format" in r
+        assert 0 < r["stapo/spurious_frac"] < 0.9 and 0 < r["stapo/tau_h"]
     assert not (run / "checkpoints" / "global_step_2" / "stare_controller.json").exists()
     (hf,) = list((run / "checkpoints" / "global_step_2" / "actor").rglob("model.safetensors"))
     before, after = load_file(str(quick_toy / "model.safetensors")), load_file(str(hf))
