@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from conftest import REPO
 from test_embedded import FAST, _rows_without_time
 
@@ -224,3 +226,22 @@ def test_a_cell_that_prints_more_than_a_pipe_holds_still_finishes(tmp_path, monk
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
     assert cells[0].state == "done" and cells[0].exit_code == 0 and cells[0].run_dir == "/runs/the-run-dir"
+
+
+def test_summary_carries_each_methods_own_numbers():
+    """STAPO's silenced share and the covariance kernel's mean weight are averaged over the steps that
+    logged them; methods that never log them have no such key, and the report shows "–" there."""
+    from stare_cli.analysis.sweep import dynamics_summary, report_markdown, seeds_summary
+
+    base = [{"step": i, "entropy": 0.4, "reward": 0.5} for i in range(1, 5)]
+    stapo = [{**r, "stapo/spurious_frac": f} for r, f in zip(base, (0.0, 0.01, 0.03, 0.0))]
+    covk = [{**r, "actor/covk/mean_w": w} for r, w in zip(base, (0.8, 0.9, 0.7, 0.8))]
+    s, k, g = dynamics_summary(stapo, 0.3), dynamics_summary(covk, 0.3), dynamics_summary(base, 0.3)
+    assert s["silenced_share"] == pytest.approx(0.01)  # (0 + 0.01 + 0.03 + 0) / 4
+    assert k["kernel_mean_w"] == pytest.approx(0.8)  # (0.8 + 0.9 + 0.7 + 0.8) / 4
+    assert "silenced_share" not in g and "kernel_mean_w" not in g and g["gate_on_share"] == 0.0
+    methods = {name: {"seeds": {1: x}, "over_seeds": seeds_summary([x]), "evaluations": {}}
+               for name, x in (("stapo", s), ("cov-kernel", k), ("grpo-ds", g))}
+    report = report_markdown({"settings": {"recipe": "tiny/explore"}, "methods": methods})
+    assert "| stapo | 0.0000 ± 0.0000 [0.0000, 0.0000] | 0.0100 ± 0.0000 [0.0100, 0.0100] | – |" in report
+    assert "| grpo-ds | 0.0000 ± 0.0000 [0.0000, 0.0000] | – | – |" in report

@@ -440,8 +440,17 @@ def dynamics_summary(rows: list[dict], h_tgt: float) -> dict:
         "train_reward_last": sum(r["reward"] for r in train[-10:]) / len(train[-10:]),
         **_tail_mean(train, "len/mean", "len_end"),
         **_tail_mean(train, "reflection_rate", "reflection_rate_end"),
+        **_run_mean(train, "stapo/spurious_frac", "silenced_share"),
+        **_run_mean(train, "actor/covk/mean_w", "kernel_mean_w"),
         "h_tgt": h_tgt,
     }
+
+
+def _run_mean(rows: list[dict], key: str, name: str) -> dict:
+    """{name: mean of `key` over every step that logged it}, or {} when never logged (a method's own number:
+    STAPO's silenced share of tokens, the covariance kernel's mean weight)."""
+    vals = [r[key] for r in rows if r.get(key) is not None]
+    return {name: sum(vals) / len(vals)} if vals else {}
 
 
 def _tail_mean(rows: list[dict], key: str, name: str) -> dict:
@@ -543,6 +552,11 @@ def report_markdown(summary: dict) -> str:
         o = d["over_seeds"]
         cells = [over_seeds_text(o.get(k), 3) for k in keys]
         lines.append(f"| {m} | {len(d['seeds'])} | " + " | ".join(cells) + " |")
+    own = ("gate_on_share", "silenced_share", "kernel_mean_w")  # what each method did, averaged over its steps
+    lines += ["", "Per method, over all steps: the STARE gate's on-share, STAPO's silenced share of valid tokens, "
+              "the covariance kernel's mean weight.", "", "| method | " + " | ".join(own) + " |", "|---|" + "---|" * len(own)]
+    for m, d in methods.items():
+        lines.append(f"| {m} | " + " | ".join(over_seeds_text(d["over_seeds"].get(k), 4) for k in own) + " |")
     evals = list(dict.fromkeys(k for d in methods.values() for k in d.get("evaluations", {})))
     for key in evals:
         metrics = sorted({x for d in methods.values() for x in d["evaluations"].get(key, {})},
