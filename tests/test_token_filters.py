@@ -228,7 +228,13 @@ def test_annealed_kl_cov_scales_the_coefficient_and_clip_cov_the_share():
     assert round(float(s1["clip_frac"]) * n) == 1
 
 
-def test_cov_anneal_is_refused_for_other_methods():
-    with pytest.raises(StareError, match="cov_anneal"):
+def test_cov_anneal_is_refused_for_other_methods_naming_file_line_and_key(tmp_path):
+    with pytest.raises(StareError, match=r"-o method.cov_anneal.schedule=linear: method.cov_anneal.schedule"):
         load_recipe("tiny/arith", "stare-o1", ["method.cov_anneal.schedule=linear"])
-    load_recipe("tiny/arith", "kl-cov", ["method.cov_anneal.schedule=cosine"])  # accepted
+    from conftest import REPO
+
+    f = tmp_path / "r.yaml"
+    f.write_text(f"include: {REPO / 'recipes' / 'tiny' / 'arith.yaml'}\nmethod:\n  cov_anneal:\n    schedule: cosine\n")
+    with pytest.raises(StareError, match=rf"{f}:4: method.cov_anneal.schedule \('cosine'\) anneals Clip-Cov and KL-Cov"):
+        load_recipe(str(f), "grpo-ds")
+    assert load_recipe(str(f), "kl-cov").method.cov_anneal.schedule == "cosine"  # accepted where it is read

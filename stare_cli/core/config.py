@@ -283,8 +283,8 @@ class MethodConfig(_Strict):
 
         spec = METHODS.get(self.name.strip().lower())
         if self.cov_anneal.schedule != "none" and spec is not None and spec.loss not in ("clip_cov", "kl_cov"):
-            raise ValueError(f"method.cov_anneal anneals Clip-Cov and KL-Cov only; method {spec.name} does not read it "
-                             "(set cov_anneal.schedule: none)")
+            raise ValueError(f"method.cov_anneal.schedule ({self.cov_anneal.schedule!r}) anneals Clip-Cov and KL-Cov "
+                             f"only; method {spec.name} does not read it (set it to 'none')")
         return self
 
 
