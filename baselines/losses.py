@@ -164,11 +164,11 @@ def clip_cov_loss(
     cov = cov.detach().masked_fill(mask == 0, -torch.inf).masked_fill(clip_by_origin, -torch.inf)
     n_clip = max(int(ratio_frac * mask.sum().item()), 1) if ratio_frac > 0 else 0  # 0: annealed off
     idx = torch.nonzero((cov < cov_ub) & (cov > cov_lb) & (mask > 0))
-    if n_clip == 0:
-        idx = idx[:0]
-    elif len(idx) > 0:
+    if n_clip and len(idx):
         perm = torch.randperm(len(idx), generator=generator)
         idx = idx[perm[: min(n_clip, len(idx))].to(idx.device)]
+    else:
+        idx = idx[:0]
     corr = torch.ones_like(adv)
     corr[idx[:, 0], idx[:, 1]] = 0
     token_loss = torch.maximum(pg1, pg2) * corr

@@ -100,13 +100,11 @@ def covariance_kernel_weights(adv: Tensor, log_prob: Tensor, mask: Tensor) -> tu
     a = adv.detach().float()
     lp = log_prob.detach().float()
     c = (lp - masked_mean(lp, mask)) * (a - masked_mean(a, mask))
-    mu = masked_mean(c, mask)
-    n = valid.sum().clamp(min=1)
-    var = (((c - mu) ** 2) * valid).sum() / n
-    sigma = var.sqrt()
-    z2 = torch.where(sigma > 0, (c - mu) ** 2 / (2 * var).clamp(min=torch.finfo(torch.float32).tiny), torch.zeros_like(c))
-    w = torch.where(valid, torch.exp(-z2), torch.ones_like(c))
-    return w, {"mean_w": masked_mean(w, mask), "sigma_c": sigma}
+    d2 = (c - masked_mean(c, mask)) ** 2
+    var = masked_mean(d2, mask)
+    z2 = torch.where(var > 0, d2 / (2 * var).clamp(min=torch.finfo(torch.float32).tiny), 0.0)  # no host sync
+    w = torch.where(valid, torch.exp(-z2), 1.0)
+    return w, {"mean_w": masked_mean(w, mask), "sigma_c": var.sqrt()}
 
 
 Schedule = Literal["none", "linear", "cosine"]

@@ -438,26 +438,22 @@ def dynamics_summary(rows: list[dict], h_tgt: float) -> dict:
         "gate_on_share": sum(r.get("stare/gate", 0.0) for r in train) / len(train),
         "eval_acc": acc,
         "train_reward_last": sum(r["reward"] for r in train[-10:]) / len(train[-10:]),
-        **_tail_mean(train, "len/mean", "len_end"),
-        **_tail_mean(train, "reflection_rate", "reflection_rate_end"),
-        **_run_mean(train, "stapo/spurious_frac", "silenced_share"),
-        **_run_mean(train, "actor/covk/mean_w", "kernel_mean_w"),
+        **_logged_mean(train, "len/mean", "len_end"),
+        **_logged_mean(train, "reflection_rate", "reflection_rate_end"),
+        **_logged_mean(train, "stapo/spurious_frac", "silenced_share", tail=False),
+        **_logged_mean(train, "actor/covk/mean_w", "kernel_mean_w", tail=False),
         "h_tgt": h_tgt,
     }
 
 
-def _run_mean(rows: list[dict], key: str, name: str) -> dict:
-    """{name: mean of `key` over every step that logged it}, or {} when never logged (a method's own number:
-    STAPO's silenced share of tokens, the covariance kernel's mean weight)."""
+def _logged_mean(rows: list[dict], key: str, name: str, tail: bool = True) -> dict:
+    """{name: mean of `key` over the last fifth of the rows that logged it (at least 5), or over all of them
+    with tail=False (a method's own number: STAPO's silenced share, the covariance kernel's mean weight)},
+    or {} when never logged."""
     vals = [r[key] for r in rows if r.get(key) is not None]
+    if tail:
+        vals = vals[-max(5, len(vals) // 5):]
     return {name: sum(vals) / len(vals)} if vals else {}
-
-
-def _tail_mean(rows: list[dict], key: str, name: str) -> dict:
-    """{name: mean of `key` over the last fifth of the rows (at least 5)}, or {} when never logged."""
-    vals = [r[key] for r in rows if r.get(key) is not None]
-    tail = vals[-max(5, len(vals) // 5):]
-    return {name: sum(tail) / len(tail)} if tail else {}
 
 
 def seeds_summary(per_seed: list[dict]) -> dict:
