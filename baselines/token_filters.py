@@ -85,11 +85,28 @@ def spurious_mask(adv: Tensor, log_prob: Tensor, entropy: Tensor, mask: Tensor, 
     return spurious, tau_h
 
 
+def _centred(x: Tensor, mask: Tensor) -> Tensor:
+    """x - mean x over mask > 0, in float32, exactly 0 where all valid values are equal.
+
+    A float32 mean of n equal values need not equal them (0.57735 * 3 / 3 rounds), and the kernel is
+    scale-free (it divides by the variance of c), so a rounding residue of 1e-8 would act like a real
+    spread. Equality is tested on the values themselves, not on the rounded mean. Shapes: [B, T] -> [B, T].
+    """
+    v = x.detach().float()
+    valid = mask > 0
+    hi = torch.where(valid, v, -torch.inf).amax()
+    lo = torch.where(valid, v, torch.inf).amin()
+    return torch.where(hi == lo, 0.0, v - masked_mean(v, mask))  # no host sync
+
+
 def covariance_kernel_weights(adv: Tensor, log_prob: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
     """The Gaussian-kernel token weights of covariance-aware GRPO (module docstring).
 
     c_t = (log pi_t - mean log pi)(A_t - mean A); w_t = exp(-(c_t - mu_c)^2 / (2 sigma_c^2)), with means and the
-    (population) standard deviation over the valid tokens; w = 1 where sigma_c = 0 and on invalid tokens.
+    (population) standard deviation over the valid tokens; w = 1 where sigma_c = 0 and on invalid tokens. A
+    factor whose valid values are all equal (one advantage value in the call) is centred to exactly 0, so
+    such a call gives c = 0 and w = 1 (not a float32 rounding residue of the mean, which the scale-free
+    kernel would amplify).
 
     Args:
         adv: [B, T] token advantages; log_prob: [B, T] log pi(o_t) (detached here); mask: [B, T].
@@ -97,9 +114,7 @@ def covariance_kernel_weights(adv: Tensor, log_prob: Tensor, mask: Tensor) -> tu
         w: [B, T] float32 in (0, 1]; stats: mean_w (over valid tokens), sigma_c.
     """
     valid = mask > 0
-    a = adv.detach().float()
-    lp = log_prob.detach().float()
-    c = (lp - masked_mean(lp, mask)) * (a - masked_mean(a, mask))
+    c = _centred(log_prob, mask) * _centred(adv, mask)
     d2 = (c - masked_mean(c, mask)) ** 2
     var = masked_mean(d2, mask)
     z2 = torch.where(var > 0, d2 / (2 * var).clamp(min=torch.finfo(torch.float32).tiny), 0.0)  # no host sync

@@ -48,3 +48,34 @@ def test_an_upward_import_or_a_cycle_breaks_the_contract(tmp_path):
     r = _lint(tmp_path)
     assert r.returncode == 1 and "No import cycles between the modules of a package BROKEN" in r.stdout, r.stdout[-2000:]
 
+
+
+def _cycles(root: Path) -> list[tuple[str, ...]]:
+    """Every import cycle of the project's module graph, as one chain per edge a -> b that b leads back
+    from. Unlike import-linter's acyclic_siblings contract, this sees cycles through a package's own
+    __init__ (a package importing its submodule, which imports the package back: issue 49, item 4)."""
+    code = ("import grimp, json\n"
+            "g = grimp.build_graph('stare_cli', 'benchmarks', 'baselines', 'recipes', include_external_packages=False,"
+            " cache_dir=None)\n"
+            "out = []\n"
+            "for a in sorted(g.modules):\n"
+            "    for b in sorted(g.find_modules_directly_imported_by(a)):\n"
+            "        back = g.find_shortest_chain(importer=b, imported=a)\n"
+            "        if back: out.append([a, *back])\n"
+            "print(json.dumps(out))\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300,
+                       env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(root)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    import json
+
+    return [tuple(c) for c in json.loads(r.stdout)]
+
+
+def test_no_import_cycle_anywhere_including_package_inits(tmp_path):
+    assert _cycles(REPO) == []
+    # the cycle issue 49 found: a package's function imports a submodule that imports the package back
+    _copy_sources(tmp_path)
+    vb = tmp_path / "stare_cli" / "backends" / "verl_backend.py"
+    vb.write_text(vb.read_text() + "\n\ndef _back():\n    from stare_cli.backends import check  # noqa\n")
+    found = _cycles(tmp_path)
+    assert ("stare_cli.backends", "stare_cli.backends.verl_backend", "stare_cli.backends") in found, found

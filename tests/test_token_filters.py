@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from baselines.aggregation import Agg, agg_loss
+from baselines.aggregation import Agg, agg_loss, masked_mean
 from baselines.losses import clip_cov_loss, kl_cov_loss, ppo_clip_token_losses
 from baselines.token_filters import anneal_factor, covariance_kernel_weights, masked_quantile, spurious_mask
 from stare_cli.core.errors import StareError
@@ -155,6 +155,27 @@ def test_covariance_kernel_invariants():
     assert_close(w3, w)
     w4, st = covariance_kernel_weights(torch.ones_like(A), b["new"], b["m"])  # A constant: c = 0 everywhere
     assert (w4 == 1).all() and float(st["sigma_c"]) == 0.0
+
+
+def test_covariance_kernel_one_advantage_value_gives_weight_one():
+    # A loss call whose valid tokens all carry one advantage value (one group, or groups sharing a solve
+    # count): c = (lp - mean lp) * 0 = 0, so w must be exactly 1. The float32 mean of such values is not
+    # always the value itself: below, for a = 0.1 + k/7 (k = 0..99), 30 values out of 100 have a float32
+    # masked mean != a (checked: the test asserts such a case is present), and the scale-free kernel turned
+    # that residue into weights near 0 before the fix (issue 49, item 1).
+    g = torch.Generator().manual_seed(0)
+    lp = -3 * torch.rand(6, 50, generator=g)
+    m = (torch.rand(6, 50, generator=g) > 0.2).float()
+    residues = 0
+    for k in range(100):
+        a = torch.tensor(0.1 + k / 7, dtype=torch.float32)
+        A = a * torch.ones(6, 50)
+        residues += int(float(masked_mean(A, m)) != float(a))
+        w, st = covariance_kernel_weights(A, lp, m)
+        assert (w == 1).all() and float(st["sigma_c"]) == 0.0, k
+        w, _ = covariance_kernel_weights(torch.randn(6, 50, generator=g), lp.new_full((6, 50), -0.7), m)  # lp uniform
+        assert (w == 1).all(), k
+    assert residues > 0  # the case the fix is for occurs in this sample
 
 
 def test_cov_kernel_loss_is_ppo_clip_on_weighted_advantages():

@@ -8,8 +8,8 @@ nothing is translated or dropped silently.
 
 from __future__ import annotations
 
+from stare_cli.backends.refusal import raise_first
 from stare_cli.core.config import Recipe
-from stare_cli.core.errors import StareError
 
 
 def refusals(cfg: Recipe, backend: str | None = None) -> list[tuple[str, str]]:
@@ -27,6 +27,4 @@ def refusals(cfg: Recipe, backend: str | None = None) -> list[tuple[str, str]]:
 def check(cfg: Recipe, backend: str | None = None) -> None:
     """StareError naming the first key the backend cannot honour."""
     name = backend or cfg.backend.name
-    for key, reason in refusals(cfg, name):
-        raise StareError(f"{key}: the {name} backend cannot honour this recipe: {reason}",
-                         hint=f"`stare recipes validate RECIPE --backend {name}` lists every refusal")
+    raise_first(name, refusals(cfg, name))

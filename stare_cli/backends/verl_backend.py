@@ -325,9 +325,9 @@ TABLE: list[Row] = [
 
 def check(cfg: Recipe) -> None:
     """Fail validation when verl cannot honour the recipe: one line naming the key and the reason."""
-    from stare_cli.backends import check as check_backend
+    from stare_cli.backends.refusal import raise_first
 
-    check_backend(cfg, "verl")
+    raise_first("verl", refusals(cfg))
 
 
 def refusals(cfg: Recipe) -> list[tuple[str, str]]:
