@@ -429,8 +429,14 @@ def compare(
                                      "else over problems.")] = False,
     cards: Annotated[bool, typer.Option("--cards", help="A table of the training runs' reproduction cards "
                                         "(REPRODUCE.md: commit, recipe hash, steps, packages) instead.")] = False,
+    step: Annotated[Optional[int], typer.Option(min=0, help="Runs: their own evaluation at this training step "
+                                                "(default: each run's last evaluated step).")] = None,
 ) -> None:
-    """Tables and plots of runs beside the paper's numbers."""
+    """Tables and plots of runs beside the paper's numbers.
+
+    A row pools as seeds only evaluations that differ in nothing but the seed (the same protocol, data,
+    grader, engine and, for runs, step); anything else gives separate rows named by the difference, with
+    no best and no Δ between them."""
     import re
 
     from stare_cli.analysis import compare as C
@@ -448,14 +454,14 @@ def compare(
 
     if metric != "avg" and not re.fullmatch(r"(pass|maj)@[1-9]\d{0,3}", metric):
         raise UsageError(f"unknown metric '{metric}'", hint="avg, pass@k or maj@k (k from 1 to the samples per problem)")
-    results = C.load_inputs(runs)
+    results = C.load_inputs(runs, step)
     cols = C.columns(results, with_paper=paper is not None)
     rows, info = C.build_rows(results, metric, cols)
     if paper:
         rows = rows + C.paper_rows(paper, cols)
         if metric != "avg":
             raise UsageError("--paper rows are avg@N only", hint="use --metric avg with --paper")
-    deltas = C.add_delta(rows, baseline)
+    deltas = C.add_delta(rows, baseline, info)
     if plot:
         for p in C.write_plots(results, plot):
             print(f"wrote {p}", file=sys.stderr)

@@ -40,7 +40,7 @@ def _run(root: Path, method: str, seed: int, scores: dict, n_of=lambda b: 32 if 
              "full_solve": 0.1, "len/mean": 300 + s} for s in range(1, 101)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     for b, v in scores.items():
-        _results(run / "eval" / "step-000100", b, v, n_of(b), **kw)
+        _results(run / "eval" / "step-000100", b, v, n_of(b), **{"model": f"{run}@step-100", **kw})
     return run
 
 
@@ -211,11 +211,11 @@ def test_pass_at_k_curves_average_a_labels_seeds_with_an_interval(tmp_path):
 def test_rows_of_one_model_under_different_protocols_are_named_apart_and_never_bolded_against_each_other():
     """Issue 30, item 14: three evaluations of one model (N=1, N=2, N=1 at T=0.5) were three rows all
     labelled 'arith-v1 *', and one was bolded as best across protocols."""
-    from stare_cli.analysis.compare import Result, build_rows, render
+    from stare_cli.analysis.compare import Identity, Result, build_rows, render
 
     def res(n, t, acc):
         return Result("arith-v1", 0, f"src-{n}-{t}", metrics={"toy:arith": {"n": n, f"avg@{n}": acc, "problems": 8}},
-                      protocol={"toy:arith": (n, t, 1.0, "raw", 56, True)}, config={"model": "arith-v1"})
+                      protocol={"toy:arith": Identity(n, t, 1.0, "raw", 56, True)}, config={"model": "arith-v1"})
 
     rows, info = build_rows([res(1, 1.0, 0.0), res(2, 1.0, 37.5), res(1, 0.5, 40.0)], "avg", ("toy:arith",))
     assert [r.label for r in rows] == ["arith-v1 [N=1, T=1.0]", "arith-v1 [N=2, T=1.0]", "arith-v1 [N=1, T=0.5]"]
@@ -224,7 +224,7 @@ def test_rows_of_one_model_under_different_protocols_are_named_apart_and_never_b
     assert "**" not in md  # 40.0 is not "best": its protocol differs from the others'
     # one protocol: a best exists, and the labels stay plain
     rows, info = build_rows([res(2, 1.0, 37.5), Result("other", 0, "o", metrics={"toy:arith": {"n": 2, "avg@2": 50.0}},
-                                                            protocol={"toy:arith": (2, 1.0, 1.0, "raw", 56, True)})],
+                                                            protocol={"toy:arith": Identity(2, 1.0, 1.0, "raw", 56, True)})],
                             "avg", ("toy:arith",))
     assert [r.label for r in rows] == ["arith-v1", "other"]
     assert "**50.0**" in render(rows, info, "md", {}, ("toy:arith",))
@@ -261,3 +261,130 @@ def test_every_evaluation_into_one_folder_is_a_row_of_its_own(cli, tmp_path, qui
     assert cli("eval", "--regrade", str(out), "--grader", "stare-official", "--workers", "0")[0] == 0
     code, md, err = cli("compare", str(out), "--format", "md")
     assert len([ln for ln in md.splitlines() if ln.startswith("| arith")]) == 2, md
+
+
+# ------------------------------------------------------------------ issue 43: what a row is
+def _ev(folder: Path, avg: float, *, bench="math500", n=4, seed=0, grader="math-verify@5", sha="a" * 64,
+        problems=500, engine="hf", limit=None, paper=True, model="m", temperature=1.0, max_tokens=3072):
+    """One `stare eval` results.json with its full identity."""
+    d = folder / bench
+    d.mkdir(parents=True, exist_ok=True)
+    res = {"benchmark": bench, "grader": grader,
+           "settings": {"model": model, "seed": seed, "limit": limit, "engine": engine, "data": sha},
+           "protocol": {"n": n, "temperature": temperature, "top_p": 0.7, "template": "paper", "max_tokens": max_tokens,
+                        "paper_protocol": paper},
+           "data": {"sha256": sha, "problems": problems, "partial": problems < 500},
+           "metrics": {"n": n, "problems": problems, f"avg@{n}": avg, "pass@1": avg}}
+    (d / "results.json").write_text(json.dumps(res))
+    return folder
+
+
+def _json(cli, *paths, extra=()):
+    code, out, err = cli("compare", *map(str, paths), "--format", "json", "--ci", *extra)
+    assert code == 0, err
+    return json.loads(out)
+
+
+@pytest.mark.parametrize("field,kw", [
+    ("grader", {"grader": "stare-official@2"}),      # a --regrade copy under another grader
+    ("data", {"sha": "b" * 64}),                     # another data file, or corrected golds
+    ("problems", {"problems": 40, "limit": 40}),     # another --limit subset
+    ("engine", {"engine": "lm-eval-hf"}),            # the lm-eval bridge beside the native engine
+])
+def test_evaluations_that_differ_beyond_the_seed_never_pool(cli, tmp_path, field, kw):
+    """Issue 43, case 1: two evaluations of one model with one protocol but another grader, data, problem
+    set or engine were pooled as '2 seeds' (60.5 and 30.9 shown as 45.7 ± 21.0)."""
+    a = _ev(tmp_path / "a", 60.5, seed=0)
+    b = _ev(tmp_path / "b", 30.9, seed=1, **kw)
+    js = _json(cli, a, b)
+    assert [r["cells"]["math500"]["seeds"] for r in js["rows"]] == [1, 1]
+    labels = [r["label"] for r in js["rows"]]
+    assert len(set(labels)) == 2 and all(f"{field}=" in lab for lab in labels), labels
+    assert js["mixed_protocols"] == ["math500"] and field in js["not_comparable"][0]
+    md = cli("compare", str(a), str(b), "--format", "md")[1]
+    assert "**" not in md and "No best is marked" in md
+
+
+def test_same_identity_different_seeds_pool(cli, tmp_path):
+    js = _json(cli, _ev(tmp_path / "a", 60.0, seed=0), _ev(tmp_path / "b", 62.0, seed=1))
+    (row,) = js["rows"]
+    assert row["cells"]["math500"]["seeds"] == 2 and row["cells"]["math500"]["mean"] == 61.0
+
+
+def _run_at(root: Path, method: str, seed: int, steps_scores: dict[int, float]) -> Path:
+    run = root / f"{method}-s{seed}"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text(f"method:\n  name: {method}\noptim:\n  seed: {seed}\n")
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "entropy": 0.5}) + "\n" for s in range(1, 4)))
+    for st, v in steps_scores.items():
+        _ev(run / "eval" / f"step-{st:06d}", v, bench="toy:arith", model=f"{run}@step-{st}", seed=seed, problems=64,
+            limit=64, paper=False)
+    return run
+
+
+def test_runs_at_different_steps_are_not_ranked_and_show_their_step(cli, tmp_path):
+    """Issue 43, case 2: runs at steps 2 and 3 were compared with no step column, 'best' bolded, delta -3.1."""
+    a = _run_at(tmp_path, "stare-o1", 1, {2: 50.0})
+    b = _run_at(tmp_path, "grpo-ds", 1, {3: 53.1})
+    code, md, err = cli("compare", str(a), str(b), "--format", "md", "--baseline", "grpo-ds")
+    assert code == 0, err
+    assert "| step |" in md and "| 2 |" in md and "| 3 |" in md
+    assert "**" not in md and "+" not in md.split("| STARE-O1")[1].split("\n")[0].replace("step", "")
+    assert "No Δ for STARE-O1" in md and "step 3/2" in md
+    # at one step (--step 2 where both evaluated) the two compare, with a delta
+    _ev(b / "eval" / "step-000002", 50.0, bench="toy:arith", model=f"{b}@step-2", seed=1, problems=64, limit=64,
+        paper=False)
+    js = _json(cli, a, b, extra=("--step", "2", "--baseline", "grpo-ds"))
+    assert [r["step"] for r in js["rows"]] == ["2", "2"] and js["no_delta"] == []
+    assert [r["delta_avg"] for r in js["rows"]] == [0.0, 0.0]
+    code, _, err = cli("compare", str(a), str(b), "--step", "7")
+    assert code == 1 and "no evaluation at step 7" in err and "evaluated at steps 2" in err
+
+
+def test_a_run_row_is_its_own_evaluation_not_an_ad_hoc_one(cli, tmp_path):
+    """Issue 43, case 3: an ad-hoc `stare eval` of a checkpoint (16 problems, seed 0) written under the run's
+    eval/ folder later replaced the run's own evaluation (64 problems, seed 1)."""
+    run = _run_at(tmp_path, "grpo-ds", 1, {3: 41.0})
+    _ev(run / "eval" / "step-3", 12.5, bench="toy:arith", model=str(run / "checkpoints" / "step-3"), seed=0,
+        problems=16, limit=16)
+    js = _json(cli, run)
+    (row,) = js["rows"]
+    assert row["cells"]["toy:arith"]["mean"] == 41.0 and row["identity"]["toy:arith"]["problems"] == 64
+
+
+def test_a_repeated_seed_replaces_never_adds(cli, tmp_path):
+    """Issue 43, case 5: 2 seeds, then `--seed 1` again, showed '3 seeds'."""
+    a = _ev(tmp_path / "first", 40.0, seed=1)
+    _ev(tmp_path / "first2", 44.0, seed=2)
+    again = _ev(tmp_path / "again", 42.0, seed=1)
+    js = _json(cli, a, tmp_path / "first2", again)
+    (row,) = js["rows"]
+    assert row["cells"]["math500"]["seeds"] == 2 and row["cells"]["math500"]["mean"] == 43.0  # (44 + 42) / 2
+    assert "seed 1 appears twice" in js["seeds_replaced"][0]
+
+
+def test_intervals_over_seeds_are_a_range_for_two_and_a_t_interval_for_more(cli, tmp_path):
+    """Issue 43, case 6: over 2 seeds the '95% interval' was a bootstrap of two values (their min and max)."""
+    paths = [_ev(tmp_path / f"s{i}", v, seed=i) for i, v in enumerate((40.0, 44.0))]
+    js = _json(cli, *paths)
+    assert js["rows"][0]["cells"]["math500"]["ci95"] == [40.0, 44.0] and js["intervals"] == ["range"]
+    paths.append(_ev(tmp_path / "s2", 48.0, seed=2))
+    js = _json(cli, *paths)
+    # mean 44, s = 4, t_{0.975, 2} = 4.303: 44 +- 4.303 * 4 / sqrt(3) = 44 +- 9.937
+    lo, hi = js["rows"][0]["cells"]["math500"]["ci95"]
+    assert lo == pytest.approx(44 - 9.9374, abs=1e-3) and hi == pytest.approx(44 + 9.9374, abs=1e-3)
+    assert js["intervals"] == ["t95"]
+    md = cli("compare", *map(str, paths), "--format", "md", "--ci")[1]
+    assert "Intervals: 95% t-interval over 3+ seeds" in md
+
+
+def test_a_non_paper_protocol_beside_the_paper_rows_is_marked(cli, tmp_path):
+    """Issue 43, case 7: AIME24 at n=1 and 8 tokens (`paper_protocol: false`) sat beside the paper's rows."""
+    a = _ev(tmp_path / "a", 10.0, bench="aime24", n=1, problems=30, max_tokens=8, paper=False)
+    code, md, err = cli("compare", str(a), "--format", "md", "--paper", "short-cot/qwen2.5-math-7b")
+    assert code == 0, err
+    (row,) = [ln for ln in md.splitlines() if ln.startswith("| m ")]
+    assert row.startswith("| m ") and "‡ |" in row.split("|")[1] + "|"
+    assert "‡ not the paper's protocol" in md and "N=1" in md and "max=8" in md
+    # without the paper's rows there is nothing to mark it against
+    assert "‡" not in cli("compare", str(a), "--format", "md")[1]

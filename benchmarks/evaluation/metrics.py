@@ -161,3 +161,28 @@ def reflection_rate(texts: Sequence[str], words: Sequence[str] = REFLECTION_WORD
     n_words = sum(len(t.split()) for t in texts)
     hits = sum(len(pat.findall(t)) for t in texts)
     return 1000.0 * hits / max(n_words, 1)
+
+
+# Student's t quantile t_{0.975, df} for df = 1 .. 30 (standard tables); beyond 30 the normal's 1.96 is within
+# 2% of it (t_{0.975, 30} = 2.042).
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def seed_interval(values: Sequence[float]) -> tuple[float, float, str]:
+    """An interval for the mean over seeds that is honest at small counts: (low, high, kind).
+
+    Three or more seeds: the 95% Student-t interval mean +- t_{0.975, k-1} s / sqrt(k) ("t95"). Two seeds:
+    their range (min, max) ("range"): a t-interval on one degree of freedom is 12.7 standard errors wide
+    and a bootstrap of two values is just their range, so the range is shown as what it is. One: none.
+    """
+    k = len(values)
+    if k < 2:
+        raise ValueError("an interval over seeds needs at least two values")
+    if k == 2:
+        return (min(values), max(values), "range")
+    m = sum(values) / k
+    sd = (sum((v - m) ** 2 for v in values) / (k - 1)) ** 0.5
+    t = _T975[k - 2] if k - 1 <= len(_T975) else 1.96
+    half = t * sd / k**0.5
+    return (m - half, m + half, "t95")

@@ -17,7 +17,7 @@ import statistics
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import yaml
 
@@ -45,7 +45,7 @@ class Result:
     seed: Optional[int]
     source: str
     metrics: dict[str, dict] = field(default_factory=dict)  # bench -> metrics
-    protocol: dict[str, tuple] = field(default_factory=dict)  # bench -> (n, T, top_p, template, max_tokens, limited)
+    protocol: dict[str, Identity] = field(default_factory=dict)  # bench -> what was measured (Identity)
     metrics_rows: list[dict] = field(default_factory=list)
     config: dict[str, object] = field(default_factory=dict)  # what makes this run differ from another of its label
 
@@ -60,15 +60,43 @@ def _variant(cfg: dict) -> dict[str, object]:
     return {k: v for k, v in dotted_items(cfg).items() if not k.startswith(_NOT_A_VARIANT) and k not in _NOT_A_VARIANT}
 
 
-def _protocol(res: dict) -> tuple:
-    p, s = res["protocol"], res["settings"]
+class Identity(NamedTuple):
+    """What one benchmark's result measured, apart from the sampling seed: results pool as seeds only when
+    every field is equal; rows that differ are labelled by the fields that differ."""
+
+    N: int
+    T: float
+    top_p: float
+    template: str
+    max: int
+    limited: bool
+    problems: Optional[int] = None  # how many problems were graded
+    data: Optional[str] = None  # SHA-256 (first 12 hex digits) of the problems and golds
+    grader: Optional[str] = None  # name@version
+    engine: Optional[str] = None  # hf, vllm, lm-eval-hf, ...
+    dtype: Optional[str] = None
+    tools: Optional[str] = None
+    step: Optional[int] = None  # a training run's evaluation: the step it was made at
+    paper: Optional[bool] = None  # the benchmark's paper protocol (n, temperature, top_p, all problems)
+
+
+_IDENTITY_FIELDS = Identity._fields
+
+
+def _identity(res: dict, step: Optional[int] = None) -> Identity:
+    """The identity of one results.json (fields missing from older files stay None)."""
+    p, s = res["protocol"], res.get("settings", {})
     spec = BENCHMARKS.get(res["benchmark"])
     data = res.get("data")
     if isinstance(data, dict) and "partial" in data:  # recorded: a --limit, a smaller local file, a subset
         limited = bool(data["partial"])
     else:  # results written before the data record: from the settings
         limited = s.get("limit") is not None and (spec is None or res["metrics"].get("problems", 0) < spec.size)
-    return (p["n"], p["temperature"], p["top_p"], p["template"], p["max_tokens"], limited)
+    sha = (data.get("sha256") if isinstance(data, dict) else None) or s.get("data")
+    return Identity(p["n"], p["temperature"], p["top_p"], p["template"], p["max_tokens"], limited,
+                    problems=res.get("metrics", {}).get("problems"), data=sha[:12] if sha else None,
+                    grader=res.get("grader"), engine=s.get("engine"), dtype=s.get("dtype"), tools=s.get("tools"),
+                    step=step if step is not None else res.get("step"), paper=p.get("paper_protocol"))
 
 
 def _collect_results(folder: Path) -> dict[str, dict]:
@@ -127,7 +155,32 @@ def _verl_results(run: Path, cfg: dict, rows: list[dict]) -> dict[str, dict]:
     return out
 
 
-def load_inputs(paths: list[Path]) -> list[Result]:
+def _run_evaluations(run: Path) -> dict[int, dict[str, dict]]:
+    """step -> bench -> results.json of the run's own evaluations: those the trainer made (settings.model
+    '<run dir>@step-N', under eval/step-N/). An ad-hoc `stare eval` of one of its checkpoints, written under
+    the same eval/ folder, is not the run's row (compare that folder itself to see it)."""
+    import re
+
+    out: dict[int, dict[str, tuple[float, dict]]] = {}
+    for f in (run / "eval").rglob("results.json"):
+        try:
+            res = json.loads(f.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise StareError(f"{f}: unreadable results file ({type(e).__name__})",
+                             hint="remove it, or run the evaluation again to rewrite it") from None
+        m = re.search(r"@step-(\d+)$", str(res.get("settings", {}).get("model", "")))
+        b = res.get("benchmark")
+        if not m or not b:
+            continue
+        cur = out.setdefault(int(m.group(1)), {})
+        if b not in cur or f.stat().st_mtime > cur[b][0]:
+            cur[b] = (f.stat().st_mtime, res)
+    return {st: {b: r for b, (_, r) in bs.items()} for st, bs in out.items()}
+
+
+def load_inputs(paths: list[Path], step: Optional[int] = None) -> list[Result]:
+    """Results of run directories (each run's own evaluation at `step`, default its last evaluated step)
+    and of `stare eval` output folders (each evaluation in them, per seed)."""
     out = []
     for p in paths:
         if not p.exists():
@@ -136,10 +189,17 @@ def load_inputs(paths: list[Path]) -> list[Result]:
             cfg = yaml.safe_load((p / "config.yaml").read_text())
             r = Result(label=cfg["method"]["name"], seed=cfg["optim"]["seed"], source=str(p), config=_variant(cfg))
             r.metrics_rows = read_jsonl(p / "metrics.jsonl", strict=True)
-            results = _collect_results(p / "eval") if (p / "eval").exists() else {}
-            if not results and cfg.get("backend", {}).get("name") == "verl":
-                results = _verl_results(p, cfg, r.metrics_rows)
-            _fill(r, results)
+            by_step = _run_evaluations(p) if (p / "eval").exists() else {}
+            if not by_step and cfg.get("backend", {}).get("name") == "verl":
+                rows = [x for x in r.metrics_rows if step is None or x.get("step") == step]
+                results = _verl_results(p, cfg, rows)
+                by_step = {max(x["step"] for x in results.values()): results} if results else {}
+            if step is not None and by_step and step not in by_step:
+                raise StareError(f"compare: {p} has no evaluation at step {step} (evaluated at steps "
+                                 f"{', '.join(map(str, sorted(by_step)))})", hint="--step one of those, or drop --step")
+            at = step if step is not None else (max(by_step) if by_step else None)
+            results = by_step.get(at, {}) if at is not None else {}
+            _fill(r, results, at)
             out.extend(_per_eval_seed(r, results, p))
             continue
         if not _collect_results(p):
@@ -153,10 +213,10 @@ def load_inputs(paths: list[Path]) -> list[Result]:
     return out
 
 
-def _fill(r: Result, results: dict[str, dict]) -> None:
+def _fill(r: Result, results: dict[str, dict], step: Optional[int] = None) -> None:
     for b, res in results.items():
         r.metrics[b] = res["metrics"]
-        r.protocol[b] = _protocol(res)
+        r.protocol[b] = _identity(res, step)
 
 
 def _collect_evaluations(folder: Path) -> list[dict[str, dict]]:
@@ -204,7 +264,10 @@ def _per_eval_seed(r: Result, results: dict[str, dict], source: Path) -> list[Re
             if not files:
                 raise StareError(f"{source}: {b}'s seed {i + 1} results file is missing ({spread[b]['results'][i]})",
                                  hint="run the evaluation with the same seeds again to rewrite it")
-            ri.metrics[b] = json.loads(files[0].read_text())["metrics"]
+            res = json.loads(files[0].read_text())
+            ri.metrics[b] = res["metrics"]
+            ri.protocol[b] = _identity(res, r.protocol[b].step)
+            ri.seed = res.get("settings", {}).get("seed", ri.seed)  # each seed's own (a repeat replaces it)
         ri.metrics = {b: m for b, m in ri.metrics.items() if m is not None}
         out.append(ri)
     return out
@@ -226,6 +289,9 @@ class Row:
     prior: bool = False
     flagged: bool = False
     note: str = ""
+    identity: dict[str, Identity] = field(default_factory=dict)  # bench -> what the row's cells measured
+    step: str = ""  # the training step of a run's evaluation ("" for evaluation folders)
+    not_paper: str = ""  # benchmarks evaluated under another protocol than the paper's, and how
 
 
 def columns(results: list[Result], with_paper: bool) -> tuple[str, ...]:
@@ -236,9 +302,37 @@ def columns(results: list[Result], with_paper: bool) -> tuple[str, ...]:
     return tuple(six + sorted(present - set(PAPER_ORDER))) or PAPER_ORDER
 
 
+def _dedupe_seeds(rs: list[Result], replaced: list[str]) -> list[Result]:
+    """One result per seed within a group: a seed evaluated again replaces its earlier result (inputs come
+    oldest first), never counts twice. Results without a seed are all kept."""
+    keep: dict[object, Result] = {}
+    for i, r in enumerate(rs):
+        key = r.seed if r.seed is not None else ("no seed", i)
+        if key in keep:
+            replaced.append(f"{_title(r.label)}: seed {r.seed} appears twice ({keep[key].source}, {r.source}); "
+                            "the later one counts")
+        keep[key] = r
+    return list(keep.values())
+
+
+def _differences(ids: list[Identity]) -> list[str]:
+    """The identity fields on which `ids` disagree, as 'field a/b' strings."""
+    out = []
+    for i, name in enumerate(_IDENTITY_FIELDS):
+        vals = []
+        for x in ids:
+            if x[i] not in vals:
+                vals.append(x[i])
+        if len(vals) > 1:
+            out.append(f"{name} {'/'.join(str(v) for v in vals)}")
+    return out
+
+
 def build_rows(results: list[Result], metric: str = "avg", benches: tuple[str, ...] = PAPER_ORDER) -> tuple[list[Row], dict]:
-    """Group by (label, protocol of each benchmark); mean ± std over seeds. Returns rows and header info."""
-    from benchmarks.evaluation.metrics import bootstrap_ci
+    """Group by (label, identity of each benchmark); mean ± std over the seeds of a group (one result per
+    seed). Returns rows and header info: `mixed` (benchmarks whose rows differ in more than the label: no
+    best, no delta there), `why` (what differs), `intervals` (the kinds of interval shown)."""
+    from benchmarks.evaluation.metrics import seed_interval
 
     by_method: dict[str, list[Result]] = {}
     for r in results:
@@ -254,20 +348,26 @@ def build_rows(results: list[Result], metric: str = "avg", benches: tuple[str, .
             by_label.setdefault(f"{label} [{tag}]" if tag else label, []).append(r)
     groups: dict[tuple, list[Result]] = {}
     for label, rs in by_label.items():
-        # Split a method's seeds only where they disagree on a benchmark's protocol; a seed that
-        # lacks a benchmark does not split anything.
+        # Split a label's results only where they disagree on a benchmark's identity (anything but the
+        # seed); a result that lacks a benchmark does not split anything.
         conflict = [b for b in benches if len({r.protocol[b] for r in rs if b in r.protocol}) > 1]
         for r in rs:
             groups.setdefault((label, tuple(r.protocol.get(b) for b in conflict)), []).append(r)
-    # Groups of one label that differ in protocol get the difference in their label ("[N=2]"),
+    replaced: list[str] = []
+    groups = {k: _dedupe_seeds(rs, replaced) for k, rs in groups.items()}
+    # Groups of one label that differ get the difference in their label ("[N=2]", "[grader=...]"),
     # never the same name for different things.
     names = _protocol_labels(groups, benches)
-    protos: dict[str, set] = {b: set() for b in benches}
-    for r in results:
-        for b in benches:
-            if b in r.protocol:
-                protos[b].add(r.protocol[b])
+    protos: dict[str, list[Identity]] = {b: [] for b in benches}
+    for rs in groups.values():
+        for r in rs:
+            for b in benches:
+                if b in r.protocol and r.protocol[b] not in protos[b]:
+                    protos[b].append(r.protocol[b])
     mixed = {b for b, ps in protos.items() if len(ps) > 1}
+    why = [f"{BENCHMARKS[b].title if b in BENCHMARKS else b}: {', '.join(_differences(protos[b]))}" for b in benches
+           if b in mixed]
+    kinds: set[str] = set()
     rows = []
     for (label, conf), rs in groups.items():
         cells: dict[str, Optional[tuple[float, float, int]]] = {}
@@ -283,9 +383,12 @@ def build_rows(results: list[Result], metric: str = "avg", benches: tuple[str, .
                         problem_ci = m.get(f"ci95/{k}")
             cells[b] = (statistics.fmean(vals), statistics.stdev(vals) if len(vals) > 1 else 0.0, len(vals)) if vals else None
             if len(vals) > 1:  # over seeds
-                ci[b] = bootstrap_ci(vals)
+                lo, hi, kind = seed_interval(vals)
+                ci[b] = (lo, hi)
+                kinds.add(kind)
             elif problem_ci:  # one seed: over problems (from results.json)
                 ci[b] = tuple(problem_ci)
+                kinds.add("problems")
         per_seed_avgs = []
         for r in rs:
             vs = [r.metrics[b][metric_key(metric, r.metrics[b]["n"])] for b in benches if b in r.metrics
@@ -296,22 +399,33 @@ def build_rows(results: list[Result], metric: str = "avg", benches: tuple[str, .
                len(per_seed_avgs)) if per_seed_avgs else None
         proto = {b: p for r in rs for b, p in r.protocol.items()}
         flagged = any(b in mixed for b in proto)
-        lim = any(p[5] for p in proto.values())
-        note = "; ".join(f"{b}: N={p[0]} T={p[1]} top_p={p[2]} {p[3]} max={p[4]}{' limited' if p[5] else ''}"
-                         for b, p in proto.items() if b in mixed) if flagged else ("limited" if lim else "")
+        lim = any(p.limited for p in proto.values())
+        note = "; ".join(f"{b}: {_describe(p)}" for b, p in proto.items() if b in mixed) if flagged else (
+            "limited" if lim else "")
         if len(per_seed_avgs) > 1:
-            ci["avg"] = bootstrap_ci(per_seed_avgs)
-        rows.append(Row(names[(label, conf)], cells, avg, ci=ci, flagged=flagged or lim, note=note))
-    ns = sorted({r.metrics[b]["n"] for r in results for b in r.metrics})
-    return rows, {"metric": metric, "ns": ns, "mixed": sorted(mixed)}
+            lo, hi, kind = seed_interval(per_seed_avgs)
+            ci["avg"] = (lo, hi)
+            kinds.add(kind)
+        steps = sorted({p.step for p in proto.values() if p.step is not None})
+        not_paper = [f"{b}: {_describe(p)}" for b, p in proto.items() if p.paper is False]
+        rows.append(Row(names[(label, conf)], cells, avg, ci=ci, flagged=flagged or lim, note=note,
+                        identity=proto, step="/".join(map(str, steps)), not_paper="; ".join(not_paper)))
+    ns = sorted({r.metrics[b]["n"] for rs in groups.values() for r in rs for b in r.metrics})
+    return rows, {"metric": metric, "ns": ns, "mixed": sorted(mixed), "why": why, "replaced": replaced,
+                  "intervals": sorted(kinds)}
 
 
-_PROTOCOL_FIELDS = ("N", "T", "top_p", "template", "max", "limited")
+def _describe(p: Identity) -> str:
+    """One benchmark's identity in a note: 'N=4 T=0.6 top_p=1.0 short max=64 limited (64 problems) grader=...'."""
+    txt = f"N={p.N} T={p.T} top_p={p.top_p} {p.template} max={p.max}"
+    txt += f" limited ({p.problems} problems)" if p.limited else ""
+    txt += "".join(f" {k}={getattr(p, k)}" for k in ("grader", "engine", "step") if getattr(p, k) is not None)
+    return txt
 
 
 def _protocol_labels(groups: dict[tuple, list[Result]], benches: tuple[str, ...]) -> dict[tuple, str]:
-    """(label, conflicting protocols) -> the row's label: the label itself where it names one row,
-    else with the protocol fields that tell its rows apart, e.g. 'arith-v1 [N=2, T=0.5]'."""
+    """(label, conflicting identities) -> the row's label: the label itself where it names one row,
+    else with the identity fields that tell its rows apart, e.g. 'arith-v1 [N=2, T=0.5]'."""
     by_label: dict[str, list[tuple]] = {}
     for key in groups:
         by_label.setdefault(key[0], []).append(key)
@@ -325,7 +439,7 @@ def _protocol_labels(groups: dict[tuple, list[Result]], benches: tuple[str, ...]
             parts = []
             for b in benches:
                 mine = protos[k].get(b)
-                for i, name in enumerate(_PROTOCOL_FIELDS):
+                for i, name in enumerate(_IDENTITY_FIELDS):
                     values = {p[b][i] for p in protos.values() if p.get(b) is not None}
                     if mine is not None and len(values) > 1 and f"{name}=" not in " ".join(parts):
                         parts.append(f"{name}={mine[i]}")
@@ -358,8 +472,10 @@ def _title(label: str) -> str:
     return (METHODS[name].title if name in METHODS else name) + (sep + rest if sep else "")
 
 
-def add_delta(rows: list[Row], baseline: Optional[str]) -> dict[int, Optional[float]]:
-    """Average delta of each row against the baseline method's row (ours first, else the paper's)."""
+def add_delta(rows: list[Row], baseline: Optional[str], info: Optional[dict] = None) -> dict[int, Optional[float]]:
+    """Average delta of each row against the baseline method's row (ours first, else the paper's). No delta
+    for a row of ours whose evaluations differ from the baseline row's in anything but the method (step,
+    grader, data, protocol, ...): `info["no_delta"]` says which and why."""
     if not baseline:
         return {}
     title = _title(baseline)
@@ -368,7 +484,15 @@ def add_delta(rows: list[Row], baseline: Optional[str]) -> dict[int, Optional[fl
     if base is None or base.avg is None:
         raise StareError(f"compare: no row for baseline '{baseline}' with all benchmarks",
                          hint="name a method present in the inputs or the paper rows")
-    return {i: (r.avg[0] - base.avg[0]) if r.avg else None for i, r in enumerate(rows)}
+    out: dict[int, Optional[float]] = {}
+    for i, r in enumerate(rows):
+        diff = [] if (r.paper or base.paper or r is base) else [
+            f"{b}: {', '.join(_differences([base.identity[b], r.identity[b]]))}"
+            for b in base.identity if b in r.identity and base.identity[b] != r.identity[b]]
+        if diff and info is not None:
+            info.setdefault("no_delta", []).append(f"{_title(r.label)} (vs {_title(base.label)}: {'; '.join(diff)})")
+        out[i] = (r.avg[0] - base.avg[0]) if r.avg and not diff else None
+    return out
 
 
 def _fmt(cell: Optional[tuple[float, float, int]], with_std: bool, ci: Optional[tuple[float, float]] = None) -> str:
@@ -385,7 +509,10 @@ def render(rows: list[Row], info: dict, fmt: str, deltas: dict[int, Optional[flo
     ns = info["ns"]
     mlabel = {"avg": "avg@N"}.get(metric, metric)
     n_txt = "N=" + "/".join(str(n) for n in ns) if ns else ""
-    header = ["Method", *[BENCHMARKS[b].title for b in benches], "Avg"] + (["Δ Avg"] if deltas else []) + ["seeds"]
+    with_step = any(r.step for r in rows)
+    header = (["Method", *[BENCHMARKS[b].title for b in benches], "Avg"] + (["Δ Avg"] if deltas else [])
+              + (["step"] if with_step else []) + ["seeds"])
+    beside_paper = any(r.paper for r in rows)
     best = {}
     mixed = set(info.get("mixed", ()))
     for b in [*benches, "avg"]:
@@ -399,6 +526,7 @@ def render(rows: list[Row], info: dict, fmt: str, deltas: dict[int, Optional[flo
         if fmt != "json":
             label += " †" if r.prior else ""
             label += " *" if r.flagged else ""
+            label += " ‡" if beside_paper and r.not_paper else ""
         cells = []
         for b in [*benches, "avg"]:
             c = r.avg if b == "avg" else r.cells.get(b)
@@ -406,11 +534,16 @@ def render(rows: list[Row], info: dict, fmt: str, deltas: dict[int, Optional[flo
                           c is not None and best[b] is not None and math.isclose(c[0], best[b], abs_tol=1e-9)))
         d = deltas.get(i) if deltas else None
         seeds = max((c[2] for c in [*r.cells.values(), r.avg] if c), default=0)
-        body.append((label, cells, d, "paper" if r.paper else str(seeds), r))
+        seeds_txt = "paper" if r.paper else str(seeds)
+        body.append((label, cells, d, f"{r.step or '–'} | {seeds_txt}" if with_step else seeds_txt, r))
     if fmt == "json":
         return json.dumps({
             "metric": metric, "n": ns, "benchmarks": list(benches), "mixed_protocols": info["mixed"],
+            "not_comparable": info.get("why", []), "no_delta": info.get("no_delta", []),
+            "intervals": info.get("intervals", []), "seeds_replaced": info.get("replaced", []),
             "rows": [{"label": lab, "paper": r.paper, "from_prior_work": r.prior, "flagged": r.flagged, "note": r.note,
+                      "step": r.step or None, "not_paper_protocol": r.not_paper or None,
+                      "identity": {b: p._asdict() for b, p in r.identity.items()},
                       "cells": {b: (None if (r.avg if b == "avg" else r.cells.get(b)) is None else
                                     {**dict(zip(("mean", "std", "seeds"), (r.avg if b == "avg" else r.cells[b]))),
                                      **({"ci95": list(r.ci[b])} if b in r.ci else {})})
@@ -431,7 +564,8 @@ def render(rows: list[Row], info: dict, fmt: str, deltas: dict[int, Optional[flo
             note = "; ".join(x for x in ["from prior work (not run under the paper's recipe)" if r.prior else "",
                                          f"different or reduced protocol: {r.note}" if r.flagged else ""] if x)
             name = _title(r.label) if not r.paper else r.label
-            w.writerow([name, *nums, *(["" if d is None else f"{d:.1f}"] if deltas else []), seeds, *cis, note])
+            w.writerow([name, *nums, *(["" if d is None else f"{d:.1f}"] if deltas else []),
+                        *([x.replace("–", "") for x in seeds.split(" | ")] if with_step else [seeds]), *cis, note])
         return buf.getvalue()
     notes = []
     if any(r.prior for r in rows):
@@ -439,6 +573,20 @@ def render(rows: list[Row], info: dict, fmt: str, deltas: dict[int, Optional[flo
     if any(r.flagged for r in rows):
         notes.append("* made under a different or reduced protocol: " + "; ".join(
             f"{_title(r.label)}: {r.note}" for r in rows if r.flagged and r.note))
+    if beside_paper and any(r.not_paper for r in rows):
+        notes.append("‡ not the paper's protocol (samples, temperature, top_p or all problems): " + "; ".join(
+            f"{_title(r.label)}: {r.not_paper}" for r in rows if r.not_paper))
+    if info.get("why"):
+        notes.append("No best is marked and no Δ is given where rows differ in more than the method or model: "
+                     + "; ".join(info["why"]))
+    if info.get("no_delta"):
+        notes.append("No Δ for " + "; ".join(info["no_delta"]))
+    if with_ci and info.get("intervals"):
+        kinds = {"t95": "95% t-interval over 3+ seeds", "range": "min-max range of 2 seeds",
+                 "problems": "one seed: 95% bootstrap over problems"}
+        notes.append("Intervals: " + "; ".join(kinds[k] for k in info["intervals"]))
+    for rep in info.get("replaced", []):
+        notes.append(f"Seed repeated: {rep}")
     if fmt == "md":
         lines = [f"Metric: {mlabel} ({n_txt})", "", "| " + " | ".join(header) + " |",
                  "|" + "|".join(["---"] + [":---:"] * (len(header) - 1)) + "|"]
@@ -453,7 +601,8 @@ def render(rows: list[Row], info: dict, fmt: str, deltas: dict[int, Optional[flo
                f"\\begin{{tabular}}{{{cols}}}", "\\toprule", " & ".join(esc(h) for h in header) + " \\\\", "\\midrule"]
         for lab, cells, d, seeds, _ in body:
             cs = [f"\\textbf{{{esc(c)}}}" if b else esc(c) for c, b in cells]
-            out.append(" & ".join([esc(lab), *cs, *([esc(dtxt(d))] if deltas else []), seeds]) + " \\\\")
+            out.append(" & ".join([esc(lab), *cs, *([esc(dtxt(d))] if deltas else []), seeds.replace(" | ", " & ")])
+                       + " \\\\")
         out += ["\\bottomrule", "\\end{tabular}", "\\end{table}"]
         return "\n".join(out + [f"% {esc(n)}" for n in notes]) + "\n"
     raise StareError(f"unknown format '{fmt}'")
@@ -472,6 +621,8 @@ def print_rich(rows: list[Row], info: dict, deltas, benches=PAPER_ORDER, with_ci
     t.add_column("Avg", justify="right")
     if deltas:
         t.add_column("Δ Avg", justify="right")
+    if any(r.step for r in rows):
+        t.add_column("step", justify="right")
     t.add_column("seeds", justify="right")
     md = render(rows, info, "md", deltas, benches, with_ci).splitlines()
     table_lines = [ln for ln in md if ln.startswith("| ") and not ln.startswith("| Method")]
@@ -482,8 +633,8 @@ def print_rich(rows: list[Row], info: dict, deltas, benches=PAPER_ORDER, with_ci
     c = Console()
     c.print(t)
     for ln in md:
-        if ln.startswith("†") or ln.startswith("*"):
-            c.print(ln)
+        if ln.startswith(("†", "*", "‡", "No ", "Intervals", "Seed repeated")):
+            c.print(ln, markup=False)
 
 
 def write_plots(results: list[Result], plot_dir: Path, h_tgt: Optional[float] = None) -> list[Path]:

@@ -246,7 +246,7 @@ def rollout_mismatch(rollout_logprobs: list, trainer_logp, mask) -> dict:
 
 
 def old_logprobs_and_entropy(model, batch: dict, parts: list[list[int]], temperature: float, autocast, buckets: bool,
-                             share: bool):
+                             share: bool, chunked_head: Optional[bool] = None):
     """Step 4: log pi_old and the token entropy of every row, one no-grad forward per part [B, T]."""
     import torch
 
@@ -257,7 +257,8 @@ def old_logprobs_and_entropy(model, batch: dict, parts: list[list[int]], tempera
     with torch.no_grad():
         for idx in parts:
             with autocast():
-                lp, en = token_logprobs_entropy(model, batch, idx, temperature, buckets=buckets, share_prompts=share)
+                lp, en = token_logprobs_entropy(model, batch, idx, temperature, buckets=buckets, share_prompts=share,
+                                                chunked_head=chunked_head)
             old[idx], ent[idx] = lp.float(), en.float()
     model.train()
     return old, ent
@@ -519,6 +520,8 @@ def load_policy(cfg: Recipe, hw: Hardware, run: RunHandle) -> Policy:
                                                  trust_remote_code=cfg.model.trust_remote_code,
                                                  use_safetensors=True).to(hw.device)
     model.train()
+    if cfg.backend.embedded.activation_checkpointing:  # training forwards keep each layer's input only
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     use_gqa_sdpa_on_cpu(model)
     opt = torch.optim.AdamW(model.parameters(), lr=O.lr, weight_decay=O.weight_decay, betas=(0.9, 0.999))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(lr_factor, O))
@@ -594,6 +597,12 @@ def skip_step(policy: Policy) -> dict[str, float]:
 
 
 # ------------------------------------------------------------------- 4. old log-probs, entropies
+def chunked_head(E) -> Optional[bool]:
+    """backend.embedded.lm_head as token_logprobs_entropy's switch: None (chunked where the architecture
+    allows it) or False (the model's own logits)."""
+    return None if E.lm_head == "chunked" else False
+
+
 def old_pass(policy: Policy, layer, ro: StepRollouts, cfg: Recipe) -> OldPass:
     """Pack the kept responses, form mini-batches (of prompts) and their micro-batches (method
     layer), then one no-grad forward for the old log-probs and token entropies. On-policy with a
@@ -608,11 +617,12 @@ def old_pass(policy: Policy, layer, ro: StepRollouts, cfg: Recipe) -> OldPass:
     if O.ppo_epochs == 1 and len(plan) == 1 and len(plan[0]) == 1:
         with policy.autocast():
             lp, en = token_logprobs_entropy(policy.model, batch, plan[0][0].rows, R.temperature,
-                                            buckets=E.length_buckets, share_prompts=share)
+                                            buckets=E.length_buckets, share_prompts=share,
+                                            chunked_head=chunked_head(E))
         return OldPass(batch, plan, lp.detach().float(), en.detach().float(), (lp, en), t_start)
     old_logp, entropy = old_logprobs_and_entropy(
         policy.model, batch, [c.rows for calls in plan for c in calls], R.temperature, policy.autocast,
-        E.length_buckets, share)
+        E.length_buckets, share, chunked_head(E))
     return OldPass(batch, plan, old_logp, entropy, None, t_start)
 
 
@@ -666,7 +676,8 @@ def ppo_updates(policy: Policy, layer, old: OldPass, tb: TrainBatch, cfg: Recipe
                     with policy.autocast():
                         lp, en = token_logprobs_entropy(policy.model, old.batch, idx, R.temperature,
                                                         need_entropy=layer.needs_entropy_in_loss,
-                                                        buckets=E.length_buckets, share_prompts=share)
+                                                        buckets=E.length_buckets, share_prompts=share,
+                                                        chunked_head=chunked_head(E))
                 loss, st = layer.loss(LossInputs(
                     log_prob=lp.float(), old_log_prob=old.old_logp[idx], advantages=bt.advantages[idx],
                     mask=bt.mask[idx], agg=layer.call_agg(call, bt.mask, mini), entropy=None if en is None else en.float(),

@@ -45,7 +45,7 @@ def length_buckets(lengths: list[int], overhead_tokens: Optional[int] = None) ->
 
 
 def token_logprobs_entropy(model, batch: dict, rows, temperature: float, need_entropy: bool = True,
-                           buckets: bool = True, share_prompts: bool = False):
+                           buckets: bool = True, share_prompts: bool = False, chunked_head: Optional[bool] = None):
     """log pi(o_t) and entropy H_t at the response positions of batch rows `rows`: [len(rows), T]
     each (T = the batch's longest response), 0 past a row's response.
 
@@ -58,11 +58,52 @@ def token_logprobs_entropy(model, batch: dict, rows, temperature: float, need_en
     With `share_prompts`, rows whose prompt is the same (a GRPO group's n responses) share one
     forward of that prompt: `_shared_prompt_logprobs_entropy`. Same numbers up to float rounding,
     fewer tokens through the model.
+
+    With `chunked_head` (default: wherever `lm_head.supports(model)`), the LM head runs only on the
+    positions that predict response tokens, in chunks straight from the last hidden state
+    (`lm_head.head_logprob_entropy`): no [positions x vocabulary] tensor for the whole micro-batch,
+    forward or backward. Otherwise the model's logits, as transformers computes them.
     """
+    from stare_cli.backends import lm_head
+
     rows = [int(r) for r in rows]
+    head = _Head.of(model) if (chunked_head is None and lm_head.supports(model)) or chunked_head else None
     if share_prompts and len(set(batch["prompt_group"][rows].tolist())) < len(rows):
-        return _shared_prompt_logprobs_entropy(model, batch, rows, temperature, need_entropy, buckets)
-    return _row_logprobs_entropy(model, batch, rows, temperature, need_entropy, buckets)
+        return _shared_prompt_logprobs_entropy(model, batch, rows, temperature, need_entropy, buckets, head)
+    return _row_logprobs_entropy(model, batch, rows, temperature, need_entropy, buckets, head)
+
+
+class _Head:
+    """The decoder and the output embedding of a model whose logits are lm_head(last hidden state)."""
+
+    def __init__(self, decoder, weight, bias) -> None:
+        self.decoder, self.weight, self.bias = decoder, weight, bias
+
+    @classmethod
+    def of(cls, model) -> "_Head":
+        out = model.get_output_embeddings()
+        return cls(model.model, out.weight, out.bias)
+
+    def scores(self, hidden, rows, cols, targets, temperature: float, need_entropy: bool, shape):
+        """log pi and H [b, T] (0 elsewhere) for the positions (rows[n], cols[n]) of the output, whose
+        hidden states are hidden [N, d] and whose tokens are targets [N]."""
+        import torch
+
+        from stare_cli.backends.lm_head import head_logprob_entropy
+
+        lp, H = head_logprob_entropy(hidden, self.weight, self.bias, targets, temperature, need_entropy)
+        zeros = torch.zeros(shape, dtype=torch.float32, device=hidden.device)
+        return zeros.index_put((rows, cols), lp), (zeros.index_put((rows, cols), H) if need_entropy else None)
+
+
+def _response_positions(rlens: list[int], device):
+    """(bucket row k, response token j) of every response token of a bucket, as two [N] device tensors:
+    k repeated rlens[k] times, and 0 .. rlens[k] - 1 for each."""
+    import torch
+
+    ks = [k for k, n in enumerate(rlens) for _ in range(n)]
+    js = [j for n in rlens for j in range(n)]
+    return torch.tensor([ks, js], dtype=torch.long, device=device).unbind(0)
 
 
 def _inverse(pos: list[int]) -> list[int]:
@@ -74,7 +115,7 @@ def _inverse(pos: list[int]) -> list[int]:
 
 
 def _row_logprobs_entropy(model, batch: dict, rows: list[int], temperature: float, need_entropy: bool,
-                          buckets: bool):
+                          buckets: bool, head: Optional[_Head] = None):
     """`token_logprobs_entropy` with each row's prompt and response in one sequence."""
     import torch
 
@@ -102,6 +143,16 @@ def _row_logprobs_entropy(model, batch: dict, rows: list[int], temperature: floa
             ents.append(ids_all.new_zeros(len(g), T, dtype=torch.float32))
             continue
         ids, p = ids_all[idx_all[sl], :L], p_all[sl]
+        if head is not None:  # the LM head on response positions only, in chunks
+            rl = [slens[r] - plens[r] for r in order[sl]]
+            k, jj = _response_positions(rl, ids.device)
+            at = p[k] + jj  # packed column of response token j; the hidden state one before predicts it
+            hidden = head.decoder(input_ids=ids).last_hidden_state
+            lp, en = head.scores(hidden[k, at - 1], k, jj, ids[k, at], temperature, need_entropy, (len(g), T))
+            lps.append(lp)
+            if need_entropy:
+                ents.append(en)
+            continue
         # Logits only where they predict response tokens: positions p0-1 .. L-2 predict tokens p0 .. L-1.
         logits = model(input_ids=ids, logits_to_keep=L - p0 + 1).logits[:, :-1].float() / temperature
         logp_all = torch.log_softmax(logits, dim=-1)
@@ -116,7 +167,7 @@ def _row_logprobs_entropy(model, batch: dict, rows: list[int], temperature: floa
 
 
 def _shared_prompt_logprobs_entropy(model, batch: dict, rows: list[int], temperature: float, need_entropy: bool,
-                                    buckets: bool):
+                                    buckets: bool, head: Optional[_Head] = None):
     """`token_logprobs_entropy` with each distinct prompt through the model once.
 
     1. The distinct prompts of `rows`, left-padded to the longest (P tokens, positions from 0 at each
@@ -149,13 +200,15 @@ def _shared_prompt_logprobs_entropy(model, batch: dict, rows: list[int], tempera
     pmask = (src_col >= 0).long()
     pids = ids_all[torch.tensor(reps, device=dev)].gather(1, src_col.clamp(min=0)) * pmask
     cache = DynamicCache()
-    out = model(input_ids=pids, attention_mask=pmask, position_ids=src_col.clamp(min=0), past_key_values=cache,
-                use_cache=True, logits_to_keep=1)
+    kw = dict(input_ids=pids, attention_mask=pmask, position_ids=src_col.clamp(min=0), past_key_values=cache,
+              use_cache=True)
+    out = head.decoder(**kw) if head is not None else model(**kw, logits_to_keep=1)
     layers = getattr(out.past_key_values, "layers", None)
     if not layers or any(type(layer).__name__ != "DynamicLayer" for layer in layers):
-        return _row_logprobs_entropy(model, batch, rows, temperature, need_entropy, buckets)
+        return _row_logprobs_entropy(model, batch, rows, temperature, need_entropy, buckets, head)
     prefix_kv = [(layer.keys, layer.values) for layer in layers]
-    first_logits = out.logits[:, -1]  # [U, V]: predicts each prompt's response token 0
+    # each prompt's last position predicts its response token 0: its hidden state [U, d], or logits [U, V]
+    first = out.last_hidden_state[:, -1] if head is not None else out.logits[:, -1]
 
     rlens = [slens[r] - plens[r] for r in rows]
     groups = length_buckets(rlens) if buckets else [list(range(len(rows)))]
@@ -174,15 +227,23 @@ def _shared_prompt_logprobs_entropy(model, batch: dict, rows: list[int], tempera
         # Response token k of a row sits at column p + k of its packed row (clamped: padding past the end).
         cols = (p[:, None] + j[None, :R]).clamp(max=ids_all.shape[1] - 1)
         resp = ids_all[row_t].gather(1, cols)  # [b, R]
-        logits = first_logits[src][:, None]
+        logits = first[src][:, None]  # [b, 1, V], or [b, 1, d] hidden states with the chunked head
         if R > 1:
             bucket_cache = DynamicCache()
             for li, (k, v) in enumerate(prefix_kv):
                 bucket_cache.update(k[src], v[src], li)
             mask = torch.cat([pmask[src], pmask.new_ones(len(g), R - 1)], 1)
-            more = model(input_ids=resp[:, :-1], attention_mask=mask, position_ids=p[:, None] + j[None, :R - 1],
-                         past_key_values=bucket_cache, use_cache=True).logits
+            kw = dict(input_ids=resp[:, :-1], attention_mask=mask, position_ids=p[:, None] + j[None, :R - 1],
+                      past_key_values=bucket_cache, use_cache=True)
+            more = head.decoder(**kw).last_hidden_state if head is not None else model(**kw).logits
             logits = torch.cat([logits, more], 1)
+        if head is not None:  # the LM head on response positions only, in chunks
+            k, jj = _response_positions([rlens[i] for i in g], dev)
+            lp, en = head.scores(logits[k, jj], k, jj, resp[k, jj], temperature, need_entropy, (len(g), T))
+            lps.append(lp)
+            if need_entropy:
+                ents.append(en)
+            continue
         logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # [b, R, V]
         valid = (j[None, :R] < torch.tensor([rlens[i] for i in g], device=dev)[:, None]).float()
         lps.append(torch.nn.functional.pad(logp_all.gather(-1, resp.unsqueeze(-1)).squeeze(-1) * valid, (0, T - R)))
