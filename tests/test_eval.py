@@ -547,6 +547,52 @@ def test_lm_eval_bridge_writes_our_format_and_honours_seed_and_grader(cli, tmp_p
     assert cli("grade", "audit", str(out), "--workers", "0")[0] == 0
 
 
+def _bridge_prompt_ids(model_dir: str, prompts: list[str]) -> tuple[list, list]:
+    """Token ids of `prompts` under stare's loader and under the tokenizer lm-eval's hf model gets when the
+    bridge runs it (lm_eval_main.py routes AutoTokenizer); lm-eval encodes a context without special tokens."""
+    code = ("import json, sys\n"
+            "from benchmarks.evaluation.lm_eval_main import use_stare_tokenizers\n"
+            "use_stare_tokenizers()\n"
+            "import transformers\n"
+            "tok = transformers.AutoTokenizer.from_pretrained(sys.argv[1])\n"
+            "print(json.dumps([tok(p, add_special_tokens=False)['input_ids'] for p in json.loads(sys.argv[2])]))\n")
+    r = subprocess.run([sys.executable, "-c", code, model_dir, json.dumps(prompts)], capture_output=True, text=True,
+                       cwd=REPO, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    from benchmarks.generation.engines import load_tokenizer
+
+    ours = load_tokenizer(model_dir)
+    return [ours(p, add_special_tokens=False)["input_ids"] for p in prompts], json.loads(r.stdout)
+
+
+def test_the_bridge_gives_the_toy_the_prompt_tokens_the_native_path_gives(tmp_path, quick_toy):
+    """Issue 43, case 10: the bridge loaded the toy tokenizer with AutoTokenizer, which under transformers 5
+    drops its word tokens ("Compute 6+3-7." reached the model as "6+3-7."): avg@4 2.3 against the native
+    60.5, 0% identical responses. Now: the same prompt token ids, and at temperature 0 the same responses."""
+    from benchmarks.data.toy import problems
+    from benchmarks.generation.templates import build_prompt
+    from benchmarks.generation.engines import load_tokenizer
+
+    rows = problems(4, seed=4242)
+    tok = load_tokenizer(str(quick_toy))
+    prompts = [build_prompt(r["problem"], "raw", tok, False) for r in rows]
+    ours, bridge = _bridge_prompt_ids(str(quick_toy), prompts)
+    assert ours == bridge and all(len(x) > 6 for x in ours)  # "Compute", the numbers and signs all survive
+    data = tmp_path / "toy.jsonl"
+    data.write_text("".join(json.dumps({"problem": r["problem"], "answer": r["answer"]}) + "\n" for r in rows))
+    common = ["--bench", "math500", "--template", "raw", "--model", str(quick_toy), "--data-file", str(data), "-n", "1",
+              "--temperature", "0", "--max-tokens", "16", "--workers", "0", "--json"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for extra, out in (([], "nat"), (["--harness", "lm-eval"], "lm")):
+        r = subprocess.run([sys.executable, "-m", "stare_cli", "eval", *common, *extra, "--out", str(tmp_path / out)],
+                           capture_output=True, text=True, cwd=REPO, timeout=600, env=env)
+        assert r.returncode == 0, r.stderr[-3000:]
+    read = lambda d: {x["idx"]: x for x in map(json.loads, (tmp_path / d / "math500" / "samples.jsonl").read_text().splitlines())}  # noqa: E731
+    nat, lm = read("nat"), read("lm")
+    assert [nat[i]["prompt"] for i in range(4)] == [lm[i]["prompt"] for i in range(4)]
+    assert [nat[i]["response"] for i in range(4)] == [lm[i]["response"] for i in range(4)]  # greedy: identical
+
+
 @pytest.mark.parametrize("extra, named", [
     (["--engine", "vllm"], "--engine vllm"), (["--tools", "python"], "--tools"), (["--wandb", "offline"], "--wandb"),
     (["--base-url", "http://127.0.0.1:1"], "--base-url"), (["--tensor-parallel", "2"], "--tensor-parallel"),
@@ -583,13 +629,35 @@ def test_grade_audit_puts_graders_side_by_side(cli, tmp_path, tiny_model):
     assert code == 0, err
     res = json.loads(text)
     assert res["graders"] == ["math-verify@5", "math-verify-plain@1", "stare-official-3way@1", "mathruler@1"]
-    m = res["benchmarks"]["math500"]
+    (m,) = [v for v in res["benchmarks"].values() if v["benchmark"] == "math500"]
     assert m["samples"] == len(rows) and 0 < m["disagree"] < 1
     assert m["pairwise_agreement"]["math-verify@5 vs mathruler@1"] < 1
     dis = [json.loads(x) for x in (out / "audit" / "disagreements.jsonl").read_text().splitlines()]
     first = next(d for d in dis if d["gold"] == "1024")
     assert first["verdicts"]["math-verify@5"]["correct"] and not first["verdicts"]["mathruler@1"]["correct"]
     assert not any(d["gold"] == "7" for d in dis)
+
+
+def test_grade_audit_works_per_setting_and_takes_the_folder_lock(cli, tmp_path, tiny_model):
+    """Issue 43, case 8: audit pooled every setting of a folder into one accuracy (384 samples for two
+    evaluations of 128 and 64 problems, 128 of them duplicates) and took no lock (it graded most of a
+    running evaluation)."""
+    from stare_cli.core.runs import hold_run_lock
+
+    out = tmp_path / "ev"
+    assert cli(*_eval_args(tiny_model, out, limit=3, n=2))[0] == 0
+    assert cli(*_eval_args(tiny_model, out, limit=2, n=2))[0] == 0  # a second setting: 2 problems, own samples
+    code, text, err = cli("grade", "audit", str(out), "--workers", "0", "--json")
+    assert code == 0, err
+    entries = json.loads(text)["benchmarks"]
+    assert sorted((v["problems"], v["samples"]) for v in entries.values()) == [(2, 4), (3, 6)]
+    assert all("limit=" in name for name in entries), list(entries)
+    lock = hold_run_lock(out / "math500", "evaluated")  # a running evaluation of that folder
+    try:
+        code, _, err = cli("grade", "audit", str(out), "--workers", "0")
+        assert code == 1 and "math500 is being" in err and str(os.getpid()) in err
+    finally:
+        lock.close()
 
 
 def test_maj_at_k_equals_brute_force_and_maj_at_1_is_the_average():
@@ -645,6 +713,45 @@ def test_several_seeds_give_mean_and_std_over_seeds_and_compare_shows_them(cli, 
     assert code == 0, err
     row = next(line for line in table.splitlines() if line.startswith("| arith"))
     assert f"| {sp['mean']:.1f} ± {sp['std']:.1f} |" in row and row.rstrip().endswith("| 3 |"), table
+
+
+def test_a_regrade_keeps_the_per_seed_record(cli, tmp_path, quick_toy):
+    """Issue 43, case 4: `--regrade` of a multi-seed evaluation dropped `over_seeds`, so compare then showed
+    one seed fewer (41.4 ± 6.1 over 2 became 45.7 over 1), even with the same grader."""
+    out = tmp_path / "ev"
+    code, stdout, err = cli("eval", "--bench", "toy:arith", "--model", str(quick_toy), "--limit", "8", "-n", "2",
+                            "--out", str(out), "--engine", "hf", "--workers", "0", "--seed", "1", "--seed", "2", "--json")
+    assert code == 0, err
+    before = json.loads(stdout)["toy:arith"]["over_seeds"]
+    for grader in ("math-verify", "stare-official-3way"):  # the same grader, then another
+        code, text, err = cli("eval", "--regrade", str(out), "--grader", grader, "--workers", "0", "--json")
+        assert code == 0, err
+        bench_dir = next(out.glob("*/results.json")).parent
+        res = json.loads((bench_dir / "results.json").read_text())
+        sp = res["over_seeds"]
+        assert sp["seeds"] == [1, 2] and res["grader"].startswith(grader + "@")
+        assert all(f.endswith(f"-{grader}.json") for f in sp["results"])
+        if grader == "math-verify":
+            assert sp["values"] == before["values"]
+        js = json.loads(cli("compare", str(out), "--format", "json")[1])
+        (row,) = js["rows"]
+        assert row["cells"]["toy:arith"]["seeds"] == 2
+
+
+def test_results_of_incomplete_samples_are_refused_not_computed_on_fewer(cli, tmp_path, quick_toy):
+    """Issue 43, case 9: a samples file missing one row made `--regrade` report avg@3 for an n=4 setting."""
+    out = tmp_path / "ev"
+    assert cli("eval", "--bench", "toy:arith", "--model", str(quick_toy), "--limit", "4", "-n", "4", "--out", str(out),
+               "--engine", "hf", "--workers", "0")[0] == 0
+    samples = next(out.glob("*/samples.jsonl"))
+    lines = samples.read_text().splitlines()
+    samples.write_text("\n".join(lines[:-1]) + "\n")  # the last problem's fourth sample is gone
+    code, _, err = cli("eval", "--regrade", str(out), "--grader", "math-verify", "--workers", "0")
+    assert code == 1 and "incomplete" in err and "has 3 of its 4 samples" in err
+    # one whole problem gone: named as well
+    samples.write_text("\n".join(ln for ln in lines if json.loads(ln)["idx"] != 2) + "\n")
+    code, _, err = cli("eval", "--regrade", str(out), "--grader", "math-verify", "--workers", "0")
+    assert code == 1 and "3 of the 4 problems have samples" in err
 
 
 def test_a_seed_given_twice_is_refused(cli, tmp_path, quick_toy):

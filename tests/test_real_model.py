@@ -143,3 +143,19 @@ def test_the_verl_backend_resolves_the_short_name_to_the_converted_folder(cli, t
     assert (copy / "model.safetensors").exists()
     text = script.read_text()
     assert f"actor_rollout_ref.model.path={copy}" in text and "model.path=smollm2-135m" not in text
+
+
+def test_the_lm_eval_bridge_tokenises_the_real_models_prompts_as_the_native_path(smollm2):
+    """Issue 43, case 10, on the real model: the chat-templated prompt's token ids under the tokenizer the
+    bridge's lm-eval gets equal the native path's."""
+    import json as _json
+
+    from benchmarks.generation.engines import load_tokenizer
+    from benchmarks.generation.templates import build_prompt
+    from test_eval import _bridge_prompt_ids
+
+    tok = load_tokenizer(str(smollm2))
+    rows = [_json.loads(x) for x in (FIXTURE_DATA / "math500.jsonl").read_text().splitlines()[:3]]
+    prompts = [build_prompt(r["problem"], "paper", tok, True) for r in rows]
+    ours, bridge = _bridge_prompt_ids(str(smollm2), prompts)
+    assert ours == bridge and all(len(x) > 20 for x in ours)

@@ -184,6 +184,15 @@ def write_results(out_dir: Path, s: EvalSettings, rows: list[dict], grader: Grad
     by_problem: dict[int, list[dict]] = {}
     for r in rows:
         by_problem.setdefault(r["idx"], []).append(r)
+    short = {i: len({r["sample"] for r in rs}) for i, rs in by_problem.items() if len({r["sample"] for r in rs}) < s.n}
+    expected = data.get("problems") if isinstance(data, dict) else None
+    if short or (isinstance(expected, int) and len(by_problem) < expected):
+        where = (f"problem {min(short)} has {short[min(short)]} of its {s.n} samples"
+                 + (f" ({len(short)} problems short)" if len(short) > 1 else "")) if short else \
+            f"{len(by_problem)} of the {expected} problems have samples"
+        raise StareError(f"{out_dir}: samples of settings {s.key()} are incomplete: {where}; results for n={s.n} "
+                         "would be computed on fewer samples", hint="run the same `stare eval` again: it generates "
+                         "what is missing (a regrade never generates)")
     per_problem = []
     for idx in sorted(by_problem):
         ss = sorted(by_problem[idx], key=lambda r: r["sample"])[: s.n]
@@ -309,6 +318,7 @@ def regrade(folder: Path, grader_name: str = "math-verify", workers: Optional[in
 def _regrade_folder(bench_dir: Path, grader: Grader) -> dict[str, dict]:
     """One benchmark folder's samples graded by `grader` (the caller holds its lock)."""
     out: dict[str, dict] = {}
+    regraded: list[tuple[EvalSettings, Optional[str], dict]] = []
     rows = read_jsonl(bench_dir / "samples.jsonl", strict=True, torn_last_ok=False,  # rewritten below
                       required=SAMPLE_FIELDS)
     settings = _settings_by_key(bench_dir)
@@ -320,8 +330,34 @@ def _regrade_folder(bench_dir: Path, grader: Grader) -> dict[str, dict]:
         s, data, evaluation = settings[key]
         out[s.bench] = write_results(bench_dir, s, mine, grader, REFLECTION_WORDS, data,
                                      extra={"evaluation": evaluation} if evaluation else None)
+        regraded.append((s, evaluation, out[s.bench]))
+    # An evaluation of several seeds keeps its per-seed record under the new grader (what compare reads):
+    # the seeds of one evaluation id whose settings differ in the seed alone, in the order they were run.
+    by_eval: dict[tuple, list[dict]] = {}
+    for s, evaluation, res in regraded:
+        if evaluation:
+            by_eval.setdefault((evaluation, json.dumps({**asdict(s), "seed": None}, sort_keys=True)), []).append(res)
+    for per_seed in by_eval.values():
+        if len(per_seed) > 1:
+            order = _seed_order(bench_dir, per_seed)
+            out[per_seed[0]["benchmark"]] = record_seed_spread(bench_dir, sorted(per_seed, key=order), grader)
     atomic_write_text(bench_dir / "samples.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
     return out
+
+
+def _seed_order(bench_dir: Path, per_seed: list[dict]):
+    """Sort key putting seeds in the order the evaluation recorded them (its earlier `over_seeds`), else by seed."""
+    recorded: list = []
+    for p in sorted((bench_dir / "results").glob("*.json")):
+        try:
+            sp = json.loads(p.read_text()).get("over_seeds")
+        except (OSError, ValueError):
+            continue
+        if sp and set(sp.get("seeds", [])) >= {r["settings"]["seed"] for r in per_seed}:
+            recorded = sp["seeds"]
+            break
+    return lambda r: (recorded.index(r["settings"]["seed"]) if r["settings"]["seed"] in recorded else len(recorded),
+                      r["settings"]["seed"])
 
 
 def latest_grader_results(bench_dir: Path) -> list[dict]:

@@ -175,7 +175,8 @@ def run(model: str, benches: list[str], out: Path, n: Optional[int], limit: Opti
     task_dir = out / "lm_eval_tasks"
     tasks = write_tasks(benches, task_dir, n, temperature, top_p, max_tokens, data_file, template)
     model_args = f"pretrained={model}" + (f",dtype={dtype}" if dtype != "auto" else "")
-    cmd = [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args", model_args,
+    # lm-eval's command line, with the tokenizer loaded as stare loads it (lm_eval_main.py)
+    cmd = [sys.executable, "-m", "benchmarks.evaluation.lm_eval_main", "--model", "hf", "--model_args", model_args,
            "--tasks", ",".join(tasks), "--include_path", str(task_dir), "--output_path", str(out / "lm_eval"),
            "--log_samples", "--seed", ",".join([str(seed)] * 4)]
     if chat.pop():
@@ -193,9 +194,10 @@ def run(model: str, benches: list[str], out: Path, n: Optional[int], limit: Opti
         raise StareError("lm-eval wrote no results file")
     theirs = json.loads(max(found, key=lambda p: p.stat().st_mtime).read_text())
     import lm_eval as _le
-    from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(model)
+    from benchmarks.generation.engines import load_tokenizer
+
+    tok = load_tokenizer(model)  # the tokenizer lm-eval's model used (lm_eval_main.py): lengths re-tokenised alike
     results = {}
     evaluation = new_evaluation_id()
     with Grader(workers=workers, name=grader) as grading:
