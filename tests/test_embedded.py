@@ -69,7 +69,15 @@ def test_run_directory_is_complete(cli, tmp_path, quick_toy):
     assert (run / "samples" / "step-000002.jsonl").exists()
     last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     log = (run / "train.log").read_text().splitlines()
-    assert [x.split()[1] for x in log] == ["1/2", "2/2"] and all("steps/min  ETA" in x for x in log)
+    steps = [x for x in log if x.startswith("step ")]
+    assert [x.split()[1] for x in steps] == ["1/2", "2/2"] and all("steps/min  ETA" in x for x in steps)
+    # issue 44: what the run is doing, phase by phase, with the time, then a summary and the plot
+    text = "\n".join(log)
+    for phrase in ("run directory", "loading", "model loaded in", "step 0: evaluating", "step 1/2: rollout",
+                   "step 1/2: training on", "step 2/2: evaluating", "done: 2 steps", "held-out: step 0:", "card: ",
+                   "plot: "):
+        assert phrase in text, phrase
+    assert (run / "plots" / "dynamics.png").exists() and (run / "eval" / "step-000000").is_dir()
     for key in ("reward", "acc", "full_solve", "entropy", "len/mean", "len/truncated", "actor/clip_frac",
                 "actor/ppo_kl", "grad_norm", "lr", "stare/gate", "stare/W", "quad/pos_high/share",
                 "reflection_rate", "time/generate", "time/score", "time/train", "eval/toy:arith/acc"):
@@ -266,8 +274,10 @@ def test_vllm_rollout_gets_the_trained_weights_before_every_step(cli, tmp_path, 
                  "rollout.engine=vllm", "checkpoint.every=1", "checkpoint.keep_last=3")
     (llm,) = fake_vllm.LLM.instances
     assert llm.in_process and llm.kwargs["max_model_len"] == 32 + 40
-    # rollouts of steps 1-3, then the final evaluation; new weights before steps 2, 3 and the evaluation
-    assert len(llm.generate_digests) == 4 and llm.loads == 3 and llm.resets == 3
+    # the step-0 evaluation, rollouts of steps 1-3, then the final evaluation; new weights before steps 2, 3
+    # and the final evaluation
+    assert len(llm.generate_digests) == 5 and llm.loads == 3 and llm.resets == 3
+    assert llm.generate_digests.pop(0) == llm.generate_digests[0]  # step 0 evaluates the initial weights
     from transformers import AutoModelForCausalLM
 
     def digest(path):  # loaded as a model, so tied weights appear as in the trainer's state_dict

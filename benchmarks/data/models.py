@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -28,6 +29,7 @@ from typing import Optional
 
 from benchmarks.data.cache import build_once, cache_root
 from stare_cli.core.errors import StareError, did_you_mean, install_hint
+from stare_cli.core.runs import save_pretrained_readable
 
 PROVENANCE = "stare_model.json"
 
@@ -83,6 +85,68 @@ def resolve_model_path(path: str) -> str:
     if path in MODELS:
         return str(ensure_model(path))
     return path
+
+
+def check_model_name(what: str, name: str, path: str) -> None:
+    """One line, within seconds, for a model that names nothing loadable, before anything is written:
+    - a path that does not exist (absolute, relative, ~, or deeper than org/name);
+    - a folder without config.json;
+    - a bare word that is no local folder and no short name (a near short name is suggested; a hub
+      model is named org/name);
+    - a hub id org/name that is not in the local Hugging Face cache while the hub cannot be reached
+      (HF_HUB_OFFLINE, or no connection to it within 3 s): no minute of retries. When the hub is
+      unreachable but the model is cached, the run goes on offline.
+    `what` names the setting ('--model', 'model.path'); `path` is what `resolve_model_path` made of it."""
+    p = Path(path).expanduser()
+    if p.exists():
+        if p.is_dir() and not (p / "config.json").exists():
+            raise StareError(f"{what} {name}: no config.json in that folder (not a model, checkpoint or run directory)",
+                             hint="point at a folder save_pretrained wrote, a run directory, or a hub id")
+        return
+    if name.startswith(("/", "./", "../", "~")) or name.count("/") > 1:
+        raise StareError(f"{what} {name}: no such file or directory",
+                         hint="a local folder, a run directory, a short name (`stare model list`) or a hub id org/name")
+    if "/" not in name:
+        raise StareError(f"{what} {name}: not a local folder, a run directory or a short name"
+                         f"{did_you_mean(name, MODELS)}",
+                         hint="`stare model list` shows the short names; a hub model is named org/name")
+    host = _hub_host()
+    if _hub_reachable(host):
+        return
+    if _hub_cached(name):
+        os.environ["HF_HUB_OFFLINE"] = "1"  # load it from the cache without asking the hub
+        return
+    raise StareError(f"{what} {name}: not on this machine, and the model hub ({host}) cannot be reached from here",
+                     hint="copy the model folder here (save_pretrained) and pass its path, or use a short name: "
+                          "`stare model list`")
+
+
+def _hub_host() -> str:
+    from urllib.parse import urlparse
+
+    return urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").hostname or "huggingface.co"
+
+
+def _hub_reachable(host: str, timeout: float = 3.0) -> bool:
+    """False under HF_HUB_OFFLINE, or when no TCP connection to the hub opens within `timeout` seconds."""
+    import socket
+
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return False
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def _hub_cached(repo: str) -> bool:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return isinstance(try_to_load_from_cache(repo, "config.json"), str)
+    except Exception:  # an invalid repo id, or no huggingface_hub: not cached
+        return False
 
 
 def tensors_digest(state: dict) -> str:
@@ -173,8 +237,7 @@ def _convert(spec: RealModel, out: Path, say) -> None:
     tok.model_max_length = model.config.max_position_embeddings
     model.config.eos_token_id = model.generation_config.eos_token_id = tok.eos_token_id
     model.config.pad_token_id = model.generation_config.pad_token_id = tok.pad_token_id
-    model.save_pretrained(out, safe_serialization=True)
-    tok.save_pretrained(out)
+    save_pretrained_readable(model, tok, out)
     from safetensors.torch import load_file
 
     digest = tensors_digest(load_file(str(out / "model.safetensors")))  # what was written (tied weights once)

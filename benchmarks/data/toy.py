@@ -35,7 +35,7 @@ from typing import Optional
 
 from benchmarks.data.cache import build_once, cache_root
 from benchmarks.data.registry import BenchmarkSpec, register, register_train_set
-from stare_cli.core.runs import atomic_write_text
+from stare_cli.core.runs import atomic_write_text, save_pretrained_readable
 
 TOY_VERSION = 1
 WORDS = ["Compute", "first", "we", "get", "so", "then", "and", "the", "answer", "is", "thus", "result", "\\boxed{"]
@@ -275,8 +275,7 @@ def make_random_init(path: Path, seed: int = 0) -> Path:
     tok = build_tokenizer()
     model = build_model(len(tok), seed)
     path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
-    tok.save_pretrained(path)
+    save_pretrained_readable(model, tok, path)
     return path
 
 
@@ -380,8 +379,7 @@ def build_toy(task: str, seed: Optional[int] = None, force: bool = False, thread
             sft(model, tok, conf["steps"], conf["batch"], conf["lr"], conf["seed"], task=task)
         finally:
             torch.set_num_threads(prev)
-        model.save_pretrained(tmp, safe_serialization=True)
-        tok.save_pretrained(tmp)
+        save_pretrained_readable(model, tok, tmp)
         (tmp / "toy.json").write_text(json.dumps({"task": task, "version": TOY_VERSION, "key": toy_key(task, seed),
                                                   "sft": conf, "threads": used}))
 

@@ -447,16 +447,10 @@ def resolve_model(model: str) -> tuple[str, Optional[Path]]:
 
 
 def check_model_path(model: str, path: str) -> None:
-    """One line for a --model that names no model: a missing path (not a hub id `org/name`), or a
-    folder without a config.json."""
-    p = Path(path)
-    if p.exists():
-        if p.is_dir() and not (p / "config.json").exists():
-            raise StareError(f"--model {model}: no config.json in that folder (not a model, checkpoint or run directory)",
-                             hint="point at a folder save_pretrained wrote, a run directory, or a hub id")
-    elif model.startswith(("/", "./", "../", "~")) or model.count("/") > 1:
-        raise StareError(f"--model {model}: no such file or directory",
-                         hint="a local folder, a run directory, a short name (`stare model list`) or a hub id org/name")
+    """One line for a --model that names no model (benchmarks/data/models.py: check_model_name)."""
+    from benchmarks.data.models import check_model_name
+
+    check_model_name("--model", model, path)
 
 
 def check_inputs(benches: list[str], limit: Optional[int], data_file: Optional[str], out: Path) -> dict[str, list[dict]]:
@@ -512,8 +506,8 @@ def run_eval(model: str, benches: list[str], engine_name: str = "auto", n: Optio
     path, run_dir = resolve_model(model)
     if out is None:
         out = (run_dir / "eval" / Path(path).name) if run_dir else Path("evals") / path.strip("/").replace("/", "__")
+    check_model_path(model, path)  # before anything is written
     data = check_inputs(benches, limit, data_file, out)  # before the model loads
-    check_model_path(model, path)
     if (Path(path) / MANIFEST).exists():  # a training checkpoint: verified by content before it loads
         problem = checkpoint_problem(Path(path))
         if problem:

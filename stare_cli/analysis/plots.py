@@ -37,10 +37,18 @@ def smooth(values: list[float], window: int) -> list[float]:
     return out
 
 
+def smoothing_window(steps: int, window: int = 10) -> int:
+    """The trailing window actually used for a run of `steps` steps: at most `window`, and at most a tenth
+    of the run (a 3-step run is drawn unsmoothed; 30 steps with a 3-step mean)."""
+    return max(1, min(window, steps // 10))
+
+
 def plot_dynamics(runs: dict[str, list[list[dict]]], out_base: Path, h_tgt: Optional[float] = None,
                   eval_key: Optional[str] = None, window: int = 10) -> list[Path]:
-    """Plot metric rows (metrics.jsonl) per label: each run's raw values faint, the smoothed mean
-    over the label's runs (seeds) solid. `runs` maps a label to one or more runs' rows."""
+    """Plot metric rows (metrics.jsonl) per label: each run's raw values (thin), and the mean over the
+    label's runs (seeds) as a trailing moving average (thick) whose window the legend states
+    (`smoothing_window`); evaluation points as markers from step 0, on a 0-1 axis. `runs` maps a label
+    to one or more runs' rows."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -55,6 +63,8 @@ def plot_dynamics(runs: dict[str, list[list[dict]]], out_base: Path, h_tgt: Opti
         panels.append((eval_key, f"evaluation accuracy ({eval_key.split('/')[1]})"))
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    steps = max((r.get("step", 0) for group in runs.values() for rows in group for r in rows), default=0)
+    w = smoothing_window(steps, window)
     for ax, (key, title) in zip(axes, panels):
         for ci, (label, group) in enumerate(runs.items()):
             c = colors[ci % len(colors)]
@@ -65,7 +75,7 @@ def plot_dynamics(runs: dict[str, list[list[dict]]], out_base: Path, h_tgt: Opti
                     continue
                 xs, ys = zip(*pts)
                 if not key.startswith("eval/"):
-                    ax.plot(xs, ys, color=c, alpha=0.2, linewidth=0.7)
+                    ax.plot(xs, ys, color=c, alpha=0.45 if w > 1 else 1.0, linewidth=0.8)
                 for x, y in pts:
                     by_step.setdefault(x, []).append(y)
             if not by_step:
@@ -73,13 +83,21 @@ def plot_dynamics(runs: dict[str, list[list[dict]]], out_base: Path, h_tgt: Opti
             xs = sorted(by_step)
             ys = [sum(by_step[x]) / len(by_step[x]) for x in xs]
             n = len(group)
-            name = f"{label} (mean of {n})" if n > 1 else label
+            mean_of = f"mean of {n} runs" if n > 1 else ""
             if key.startswith("eval/"):
-                ax.plot(xs, ys, marker="o", color=c, label=name)
+                ax.plot(xs, ys, marker="o", color=c, label=f"{label}" + (f" ({mean_of})" if mean_of else ""))
+            elif w > 1:
+                ax.plot(xs, smooth(ys, w), color=c, linewidth=1.8,
+                        label=f"{label}: {w}-step trailing mean" + (f" of the {mean_of}" if mean_of else "")
+                        + "; thin: each step")
+            elif n > 1:
+                ax.plot(xs, ys, color=c, linewidth=1.8, label=f"{label}: {mean_of}; thin: each run")
             else:
-                ax.plot(xs, smooth(ys, window), color=c, label=name, linewidth=1.8)
+                ax.lines[-1].set_label(f"{label} (each step, unsmoothed)")
         if key == "entropy" and h_tgt is not None:
             ax.axhline(h_tgt, color="k", linestyle="--", linewidth=1, label=f"H_tgt = {h_tgt:g}")
+        if key.startswith("eval/"):
+            ax.set_ylim(0, 1)  # accuracy as a fraction: a few points of difference look like a few points
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -127,3 +145,22 @@ def plot_evals_over_training(evaluations: dict[str, dict[str, dict]], out_base: 
         if ax.get_legend_handles_labels()[0]:  # each panel its own: its pass@N differs from the others'
             ax.legend(fontsize=7)
     return save_figure(fig, out_base)
+
+
+def plot_run(run_dir: Path) -> list[Path]:
+    """A training run's own dynamics plot (entropy, reward, length, held-out accuracy from step 0) at
+    run_dir/plots/dynamics.png and .svg, H_tgt from its config when the method has one."""
+    import json
+
+    import yaml
+
+    from stare_cli.core.runs import run_eval_points
+
+    run_dir = Path(run_dir)
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    trained = {r.get("step") for r in rows}
+    rows = [p for p in run_eval_points(run_dir) if p["step"] not in trained] + rows  # step 0's evaluation
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    method = cfg.get("method", {})
+    h_tgt = method.get("stare", {}).get("h_tgt") if method.get("name", "").startswith("stare") else None
+    return plot_dynamics({method.get("name", "run"): [rows]}, run_dir / "plots" / "dynamics", h_tgt=h_tgt)

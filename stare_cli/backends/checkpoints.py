@@ -10,7 +10,8 @@ from pathlib import Path
 
 from stare_cli.core.config import Recipe
 from stare_cli.core.errors import StareError
-from stare_cli.core.runs import STATE as RUN_STATE, checkpoint_steps, fsync_dir, fsync_tree, write_manifest
+from stare_cli.core.runs import (STATE as RUN_STATE, checkpoint_steps, fsync_dir, fsync_tree, save_pretrained_readable,
+                                  write_manifest)
 
 def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, scheduler, state: dict, keep_last: int) -> Path:
     """Write checkpoints/step-N: files into a temporary directory, a manifest of their sizes last,
@@ -22,8 +23,7 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, sched
     tmp = ckpt_root / f".tmp-step-{step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
+    save_pretrained_readable(model, tokenizer, tmp)
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                 "torch_rng": torch.get_rng_state()}, tmp / "trainer.pt")
     (tmp / RUN_STATE).write_text(json.dumps(state, indent=2))

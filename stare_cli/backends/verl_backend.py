@@ -148,7 +148,7 @@ def _templates(cfg: Recipe) -> dict[str, Any]:
 def _eval(cfg: Recipe) -> dict[str, Any]:
     E = cfg.eval
     s = _eval_protocol(cfg)
-    out = {"trainer.test_freq": E.every or -1, "trainer.val_before_train": bool(E.benchmarks)}
+    out = {"trainer.test_freq": E.every or -1, "trainer.val_before_train": bool(E.benchmarks) and E.at_start}
     if s is not None:
         n, temperature, top_p = s
         out.update({f"{R_}.val_kwargs.n": n, f"{R_}.val_kwargs.temperature": temperature,
@@ -297,7 +297,7 @@ TABLE: list[Row] = [
                                      "reward.reward_manager.name": REWARD_MANAGER[1]}),
     # evaluation during training
     Row(("eval.benchmarks",), "data", "validation files written by `stare data prepare`"),
-    Row(("eval.n", "eval.temperature", "eval.top_p", "eval.max_tokens", "eval.every"), "verl",
+    Row(("eval.n", "eval.temperature", "eval.top_p", "eval.max_tokens", "eval.every", "eval.at_start"), "verl",
         "one sampling setting for all benchmarks", _eval, _refuse_eval),
     # backends
     Row(("backend.embedded.device", "backend.embedded.threads", "backend.embedded.length_buckets",
@@ -745,7 +745,8 @@ OFFICIAL_DIFFERENCES: list[tuple[str, str, str]] = [
     ("trainer.total_training_steps", "deliberate", "paper silent on the run length: optim.total_steps (500)"),
     ("trainer.total_epochs", "deliberate", "bounded by total_training_steps instead"),
     ("trainer.max_actor_ckpt_to_keep", "deliberate", "checkpoint.keep_last (disk); all kept officially"),
-    ("trainer.val_before_train", "deliberate", "a step-0 point for `stare compare`; no effect on training"),
+    ("trainer.val_before_train", "deliberate", "eval.at_start (default true): a step-0 point for `stare compare`; no "
+     "effect on training"),
 ]
 
 

@@ -309,6 +309,8 @@ class EvalConfig(_Strict):
     top_p: Optional[StrictFloat] = Field(None, gt=0, le=1, description="Nucleus mass (None: each benchmark's protocol; paper 0.7).")
     max_tokens: Optional[StrictInt] = Field(None, ge=1, le=MAX_TOKENS, description="Max new tokens (None: rollout.max_response_tokens).")
     every: StrictInt = Field(0, ge=0, description="Evaluate every k steps (0: only at the end).")
+    at_start: StrictBool = Field(True, description="Also evaluate before the first step (step 0: the starting point "
+                                 "of every evaluation curve; verl: trainer.val_before_train).")
     limit: Optional[StrictInt] = Field(None, ge=1, description="Evaluate only the first K problems of each benchmark.")
 
 

@@ -105,6 +105,40 @@ def atomic_write_text(path: Path, text: str) -> None:
         raise
 
 
+def save_pretrained_readable(model, tokenizer, folder: Path) -> None:
+    """`save_pretrained` of a model and its tokenizer, every file given the mode a plain `open` gives
+    (0666 less the umask): safetensors writes its weights 0600, which left a shared run's or cache's
+    weights unreadable by colleagues while every other file of it was readable."""
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    for f in Path(folder).iterdir():
+        if f.is_file() and not f.is_symlink():
+            os.chmod(f, 0o666 & ~_UMASK)
+
+
+def run_eval_points(run_dir: Path) -> list[dict[str, Any]]:
+    """The run's own evaluations (eval/step-N/<bench>/results.json, written by `stare train`, step 0
+    included) as metrics rows, oldest step first: {"step": N, "eval/<bench>/acc": avg@n / 100,
+    "eval/<bench>/len": mean length}. Unreadable files are left out (compare names them)."""
+    import re
+
+    by_step: dict[int, dict[str, Any]] = {}
+    for f in sorted((Path(run_dir) / "eval").glob("step-*/*/results.json")):
+        try:
+            res = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        m = re.search(r"@step-(\d+)$", str(res.get("settings", {}).get("model", "")))
+        metrics, bench = res.get("metrics", {}), res.get("benchmark")
+        if not m or not bench or f"avg@{metrics.get('n')}" not in metrics:
+            continue
+        row = by_step.setdefault(int(m.group(1)), {"step": int(m.group(1))})
+        row[f"eval/{bench}/acc"] = metrics[f"avg@{metrics['n']}"] / 100
+        if "len/mean" in metrics:
+            row[f"eval/{bench}/len"] = metrics["len/mean"]
+    return [by_step[k] for k in sorted(by_step)]
+
+
 def git_sha(cwd: Path | None = None) -> str | None:
     """The SHA of the source checkout this code runs from (None outside a git checkout)."""
     here = cwd or Path(__file__).resolve().parent
