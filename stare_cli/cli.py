@@ -115,7 +115,8 @@ def train(
         Optional[Device],
         typer.Option(help="Override the backend's device; verl with cpu: the CPU debug path (README, 'verl on CPU')."),
     ] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="verl: print the generated overrides and exit.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="verl: print the generated overrides and exit; embedded: "
+                                          "print the memory plan of a training step (by part, and its peak) and exit.")] = False,
     emit_script: Annotated[
         Optional[Path], typer.Option(help="verl: write a `ray job submit` script instead of launching.")
     ] = None,
@@ -186,8 +187,21 @@ def train(
         if run_dir is not None:
             typer.echo(str(run_dir))
         return
-    if dry_run or emit_script:
-        raise UsageError("--dry-run and --emit-script apply to the verl backend", hint="add --backend verl")
+    if emit_script:
+        raise UsageError("--emit-script applies to the verl backend", hint="add --backend verl")
+    if dry_run:
+        from benchmarks.data.models import check_model_name, resolve_model_path
+        from stare_cli.backends.memory_plan import check_fits, plan
+
+        path = resolve_model_path(cfg.model.path)
+        check_model_name("model.path", cfg.model.path, path)
+        p = plan(cfg, path)
+        for line in p.lines():
+            typer.echo(line)
+        warning = check_fits(p)
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr)
+        return
     from stare_cli.backends.embedded import train as embedded_train
 
     run_dir = embedded_train(cfg, out_root=out, resume=plan)

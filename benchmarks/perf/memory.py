@@ -1,15 +1,19 @@
-"""Peak memory and step time of the real-model recipe's training step: the parent commit's path (the model's
-full logits, the recipe's old micro-batching) vs the shipped one, side by side in one run (issue 45).
+"""Peak memory and step time of the real-model recipe's training steps: the parent commit's path (the
+model's full logits) vs the chunked LM head vs the chunked head with activation checkpointing, side by
+side in one run, each beside its memory plan (`stare train --dry-run`, stare_cli/backends/memory_plan.py)
+at the lengths the run had (issue 45).
 
-Each variant is one `stare train` step of recipes/small/smollm2-135m-words.yaml (its rollout, old log-probs,
-update; no evaluation) in a child process of its own, so that its peak resident set is its own
-(`os.wait4`'s ru_maxrss). Variants alternate (A B A B ...) so that a slow spell of a shared machine hits
-both alike. Printed per variant: peak RSS, `time/train` (old log-probs + update) and `time/step`
-(with the rollout), medians over the repetitions, and the ratios to the first variant.
+Each variant is `--steps` `stare train` steps of recipes/small/smollm2-135m-words.yaml (rollout, old
+log-probs, update; no evaluation) in a child process of its own, so that its peak resident set is its own
+(`os.wait4`'s ru_maxrss). Two steps by default: the optimizer's state exists from the first update on, so
+the second step is the steady state the plan describes. Variants alternate (A B C A B C ...) so that a
+slow spell of a shared machine hits all alike. Printed per variant: peak RSS, the plan's peak and their
+ratio, `time/train` (old log-probs + update, mean over the steps), medians over the repetitions, and the
+ratios to the first variant.
 
-    python benchmarks/perf/memory.py [--reps 2] [--recipe small/smollm2-135m-words]
+    python benchmarks/perf/memory.py [--reps 1] [--steps 2] [--recipe small/smollm2-135m-words]
 
-Needs the real model (`stare model get smollm2-135m`). One torch thread. Run it alone: about 3 minutes per
+Needs the real model (`stare model get smollm2-135m`). One torch thread. Run it alone: about 5 minutes per
 child on the 2-core machine.
 """
 
@@ -27,20 +31,17 @@ from pathlib import Path
 # name -> overrides on top of the recipe. "today": the parent commit's training path (the model's own
 # logits over the whole vocabulary, one micro-batch of 64 responses, no activation checkpointing).
 VARIANTS = {
-    "today (full logits, 1 micro-batch)": ["backend.embedded.lm_head=full", "optim.micro_batch_size=64",
-                                           "optim.micro_batch_tokens=null",
-                                           "backend.embedded.activation_checkpointing=false"],
-    "chunked head, 1 micro-batch": ["backend.embedded.lm_head=chunked", "optim.micro_batch_size=64",
-                                    "optim.micro_batch_tokens=null",
-                                    "backend.embedded.activation_checkpointing=false"],
-    "shipped recipe": [],
+    "full logits (parent commit)": ["backend.embedded.lm_head=full", "backend.embedded.activation_checkpointing=false"],
+    "chunked head": ["backend.embedded.lm_head=chunked", "backend.embedded.activation_checkpointing=false"],
+    "chunked head + checkpointing": ["backend.embedded.lm_head=chunked",
+                                     "backend.embedded.activation_checkpointing=true"],
 }
 
 
-def one_step(recipe: str, overrides: list[str], out: Path) -> dict:
-    """One training step in a child process: its peak RSS (GiB) and its step's timings."""
+def one_step(recipe: str, overrides: list[str], out: Path, steps: int) -> dict:
+    """`steps` training steps in a child process: its peak RSS (GiB), its steps' timings, the lengths."""
     cmd = [sys.executable, "-m", "stare_cli", "train", "--recipe", recipe, "--out", str(out),
-           "-o", "optim.total_steps=1", "-o", "eval.benchmarks=[]"]
+           "-o", f"optim.total_steps={steps}", "-o", "eval.benchmarks=[]"]
     for o in overrides:
         cmd += ["-o", o]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -50,39 +51,83 @@ def one_step(recipe: str, overrides: list[str], out: Path) -> dict:
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"child failed: {' '.join(cmd)}\n{output[-2000:]}")
     run_dir = Path(output.strip().splitlines()[-1])
-    row = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()][-1]
-    return {"rss_gib": usage.ru_maxrss * 1024 / 2**30, "train_s": row["time/train"], "step_s": row["time/step"],
-            "entropy": row["entropy"], "grad_norm": row["grad_norm"], "micro_batches": row["micro_batches"]}
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return {"rss_gib": usage.ru_maxrss * 1024 / 2**30, "train_s": statistics.fmean(r["time/train"] for r in rows),
+            "step_s": statistics.fmean(r["time/step"] for r in rows), "entropy": rows[-1]["entropy"],
+            "grad_norm": rows[-1]["grad_norm"], "micro_batches": rows[-1]["micro_batches"],
+            "response_len": max(r["len/mean"] for r in rows)}
+
+
+def mean_prompt_tokens(recipe: str, k: int = 64) -> float:
+    """Mean tokens of the recipe's first k training prompts as the trainer builds them (template, chat)."""
+    from benchmarks.data.models import resolve_model_path
+    from benchmarks.data.prompts import load_prompts
+    from benchmarks.generation.engines import load_tokenizer
+    from benchmarks.generation.templates import build_prompt
+    from stare_cli.core.resolve import load_recipe
+
+    cfg = load_recipe(recipe, None, [])
+    tok = load_tokenizer(resolve_model_path(cfg.model.path))
+    rows = load_prompts(cfg)[:k]
+    use_chat = cfg.model.chat_template == "auto"
+    lens = [len(tok(build_prompt(r["problem"], cfg.data.template.value, tok, use_chat, None),
+                    add_special_tokens=False)["input_ids"]) for r in rows]
+    return min(statistics.fmean(lens), cfg.rollout.max_prompt_tokens)
+
+
+def planned(recipe: str, overrides: list[str], prompt_len: float, response_len: float) -> float:
+    """The memory plan's peak (GiB) for the variant at the lengths its run had, in a fresh process."""
+    code = ("import json, sys\n"
+            "from benchmarks.data.models import resolve_model_path\n"
+            "from stare_cli.backends.memory_plan import plan\n"
+            "from stare_cli.core.resolve import load_recipe\n"
+            "cfg = load_recipe(sys.argv[1], None, json.loads(sys.argv[2]))\n"
+            "p = plan(cfg, resolve_model_path(cfg.model.path), prompt_tokens=int(sys.argv[3]),"
+            " response_tokens=int(sys.argv[4]))\n"
+            "print(p.peak / 2**30)\n")
+    r = subprocess.run([sys.executable, "-c", code, recipe, json.dumps(overrides), str(round(prompt_len)),
+                        str(round(response_len))], capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if r.returncode:
+        raise SystemExit(r.stderr[-2000:])
+    return float(r.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--recipe", default="small/smollm2-135m-words")
+    ap.add_argument("--prompt-len", type=float, default=None,
+                    help="prompt tokens for the plan (default: the mean of the recipe's first 64 prompts)")
     args = ap.parse_args()
+    plen = args.prompt_len or mean_prompt_tokens(args.recipe)
     results: dict[str, list[dict]] = {k: [] for k in VARIANTS}
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.reps):
-            for name, ov in VARIANTS.items():
-                r = one_step(args.recipe, ov, Path(tmp) / f"{rep}-{len(results[name])}-{abs(hash(name))}")
+            for i, (name, ov) in enumerate(VARIANTS.items()):
+                r = one_step(args.recipe, ov, Path(tmp) / f"{rep}-{i}", args.steps)
+                r["plan_gib"] = planned(args.recipe, ov, plen, r["response_len"])
                 results[name].append(r)
-                print(f"rep {rep + 1}: {name}: peak RSS {r['rss_gib']:.2f} GiB, train {r['train_s']:.1f} s, "
+                print(f"rep {rep + 1}: {name}: peak RSS {r['rss_gib']:.2f} GiB (plan {r['plan_gib']:.2f}, "
+                      f"prompt {plen:.1f} / response {r['response_len']:.1f} tokens), train {r['train_s']:.1f} s/step, "
                       f"step {r['step_s']:.1f} s, {r['micro_batches']} micro-batches, entropy {r['entropy']:.6f}, "
                       f"grad_norm {r['grad_norm']:.6f}", flush=True)
     base = next(iter(VARIANTS))
-    med = {k: {m: statistics.median(r[m] for r in v) for m in ("rss_gib", "train_s", "step_s")}
+    med = {k: {m: statistics.median(r[m] for r in v) for m in ("rss_gib", "plan_gib", "train_s", "step_s")}
            for k, v in results.items()}
-    print(f"\nmedians over {args.reps} repetitions; ratios to '{base}'")
-    print(f"{'variant':40s} {'peak RSS':>10s} {'ratio':>6s} {'train s':>8s} {'ratio':>6s} {'step s':>7s} {'ratio':>6s}")
+    print(f"\nmedians over {args.reps} repetition(s) of {args.steps} steps; ratios to '{base}'")
+    print(f"{'variant':32s} {'peak RSS':>9s} {'plan':>7s} {'plan/RSS':>8s} {'ratio':>6s} {'train s':>8s} {'ratio':>6s}")
+    b = med[base]
     for k, m in med.items():
-        b = med[base]
-        print(f"{k:40s} {m['rss_gib']:8.2f}G {m['rss_gib'] / b['rss_gib']:6.2f} {m['train_s']:8.1f} "
-              f"{m['train_s'] / b['train_s']:6.2f} {m['step_s']:7.1f} {m['step_s'] / b['step_s']:6.2f}")
-    shipped = med["shipped recipe"]
-    print(f"\ntargets: peak RSS <= 3.5 GiB: {'met' if shipped['rss_gib'] <= 3.5 else 'missed'} "
-          f"({shipped['rss_gib']:.2f}); train time <= 1.05x today's: "
-          f"{'met' if shipped['train_s'] <= 1.05 * med[base]['train_s'] else 'missed'} "
-          f"({shipped['train_s'] / med[base]['train_s']:.2f}x)")
+        print(f"{k:32s} {m['rss_gib']:7.2f}G {m['plan_gib']:6.2f}G {m['plan_gib'] / m['rss_gib']:8.2f} "
+              f"{m['rss_gib'] / b['rss_gib']:6.2f} {m['train_s']:8.1f} {m['train_s'] / b['train_s']:6.2f}")
+    for k, m in med.items():
+        if k == base:
+            continue
+        print(f"targets, {k}: peak RSS <= 3.5 GiB {'met' if m['rss_gib'] <= 3.5 else 'missed'} ({m['rss_gib']:.2f}); "
+              f"train time <= 1.05x the parent's {'met' if m['train_s'] <= 1.05 * b['train_s'] else 'missed'} "
+              f"({m['train_s'] / b['train_s']:.2f}x); plan within 15% of the peak "
+              f"{'met' if abs(m['plan_gib'] / m['rss_gib'] - 1) <= 0.15 else 'missed'}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,237 @@
+"""The embedded trainer's memory plan (`stare train --dry-run`): what a recipe's training step holds, by
+part, before anything is trained.
+
+Parts (bytes):
+- weights, gradients: fp32 master weights and their gradients, 4 bytes per parameter each;
+- optimizer: AdamW's two fp32 moments, 8 bytes per parameter (from the first optimizer step on);
+- compute copy: under bf16/fp16 autocast on CUDA, the half-precision copies of the weights the forward
+  caches, 2 bytes per parameter;
+- activations: what autograd keeps for the backward pass of the largest micro-batch, per token per layer,
+  measured by tracing the trainer's own forward (`token_logprobs_entropy`, with the recipe's activation
+  checkpointing, LM head, bucketing and prompt sharing) on a one- and a two-layer copy of the
+  architecture at the recipe's widths (the difference is one layer), in the compute dtype; plus one
+  layer's worth again for the backward's transient (the recomputed layer under checkpointing);
+- logits: the LM head's [positions x vocabulary] float32 tensors at their peak (the chunked head: four
+  chunks; the full head: four copies over the micro-batch's response positions);
+- rollout: the HF engine's key/value cache for one generation batch (prompts x n rows at full length) and
+  a decode step's logits; with vLLM its own share of the GPU instead (rollout.vllm_gpu_memory_utilization);
+- runtime: on the CPU, the resident memory of this process once torch and transformers are imported
+  (the interpreter, libraries, kernels); on CUDA, the CUDA context is outside torch's allocator and is
+  not counted (the plan compares with torch.cuda.max_memory_allocated).
+
+Peak = runtime + weights + gradients + optimizer + compute copy + max(rollout, activations + logits).
+The plan counts live tensors. On the CPU the process's resident set also holds freed blocks that glibc's
+heap has not returned (the trainer trims it between phases, `release_freed_memory`); the README's
+measured table says how far the two are apart.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from stare_cli.core.config import Recipe
+
+GiB = 2**30
+
+
+@dataclass
+class MemoryPlan:
+    """A recipe's training step, by part (bytes); `peak` is their combination (module docstring)."""
+
+    device: str
+    parameters: int
+    micro_batch_tokens: int  # tokens of the largest training micro-batch (prompts and responses)
+    response_positions: int  # of which predict response tokens (the LM head's positions)
+    weights: int
+    gradients: int
+    optimizer: int
+    compute_copy: int
+    activations: int
+    logits: int
+    rollout: int
+    runtime: int
+    per_token_layer: int  # activation bytes kept per token per decoder layer
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def training(self) -> int:
+        return self.activations + self.logits
+
+    @property
+    def peak(self) -> int:
+        return (self.runtime + self.weights + self.gradients + self.optimizer + self.compute_copy
+                + max(self.rollout, self.training))
+
+    def lines(self) -> list[str]:
+        g = lambda b: f"{b / GiB:6.2f} GiB"  # noqa: E731
+        out = [f"memory plan ({self.device}): {self.parameters / 1e6:.1f}M parameters, largest micro-batch "
+               f"{self.micro_batch_tokens:,} tokens ({self.response_positions:,} response positions)",
+               f"  runtime (interpreter, libraries)   {g(self.runtime)}",
+               f"  weights (fp32 master)              {g(self.weights)}",
+               f"  gradients (fp32)                   {g(self.gradients)}",
+               f"  optimizer (AdamW moments, fp32)    {g(self.optimizer)}"]
+        if self.compute_copy:
+            out.append(f"  compute copy (autocast)            {g(self.compute_copy)}")
+        out += [f"  activations per micro-batch        {g(self.activations)}  "
+                f"({self.per_token_layer:,} bytes per token per layer)",
+                f"  logits per micro-batch             {g(self.logits)}",
+                f"  rollout (KV cache, decode logits)  {g(self.rollout)}",
+                f"  peak                               {g(self.peak)}"]
+        return out + [f"  note: {n}" for n in self.notes]
+
+
+def plan(cfg: Recipe, model_path: str, device: Optional[str] = None, prompt_tokens: Optional[int] = None,
+         response_tokens: Optional[int] = None) -> MemoryPlan:
+    """The memory plan of `cfg`'s training step for the model at `model_path` (a local folder), with every
+    prompt and response at its recipe maximum (rollout.max_prompt_tokens, max_response_tokens: a bound),
+    or at the given typical lengths (what a measured run had, to check the plan against it)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from stare_cli.backends import lm_head
+
+    R, O, E = cfg.rollout, cfg.optim, cfg.backend.embedded
+    runtime = _runtime_bytes()  # before the traces below allocate anything
+    dev = device or ("cuda" if E.device == "cuda" or (E.device == "auto" and torch.cuda.is_available()) else "cpu")
+    mcfg = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(mcfg, trust_remote_code=cfg.model.trust_remote_code)
+    n_params = sum(p.numel() for p in meta.parameters())
+    chunked = E.lm_head == "chunked" and lm_head.supports(meta)
+    vocab = int(meta.get_output_embeddings().weight.shape[0])
+    layers = int(getattr(mcfg, "num_hidden_layers", 1))
+    del meta
+    half = O.precision in ("bf16", "fp16") and dev == "cuda"
+    notes = []
+
+    # the largest micro-batch: a token budget, or micro_batch_size rows
+    P = prompt_tokens or R.max_prompt_tokens
+    T = response_tokens or R.max_response_tokens
+    rows_per_mb = min(O.micro_batch_size, O.mini_batch_size * R.n) if O.micro_batch_tokens is None else max(
+        1, O.micro_batch_tokens // (P + T))
+    mb_tokens = rows_per_mb * (P + T)
+    resp_positions = rows_per_mb * T
+    # prompt sharing (the CPU's default) runs a group's prompt once: the forward holds U x P + rows x T tokens
+    share = ((dev == "cpu") if E.share_prompts == "auto" else E.share_prompts) and not E.activation_checkpointing
+    groups = math.ceil(rows_per_mb / R.n) if share else rows_per_mb
+    kept_tokens = groups * P + rows_per_mb * T
+
+    per_layer, per_layer_full = _activation_bytes_per_token_layer(cfg, model_path, share, half, R.n)
+    # what the layers keep, plus the backward's transient: one layer's full activations (the recomputed one
+    # under checkpointing) and the gradient of the hidden states
+    activations = per_layer * layers * kept_tokens + per_layer_full * kept_tokens
+    chunk = lm_head.chunk_positions(vocab)
+    logits = 4 * 4 * vocab * (min(chunk, resp_positions) if chunked else resp_positions)
+    if not chunked and E.lm_head == "chunked":
+        notes.append(f"{mcfg.model_type}: its logits are not plainly lm_head(hidden); the full head runs")
+
+    head_dim = getattr(mcfg, "head_dim", None) or mcfg.hidden_size // mcfg.num_attention_heads
+    kv_heads = getattr(mcfg, "num_key_value_heads", None) or mcfg.num_attention_heads
+    gen_rows = max(1, R.gen_batch_size * R.n)
+    kv_bytes = 2 if half else 4
+    if R.engine == "vllm":
+        rollout = 0
+        notes.append(f"rollout: vLLM holds rollout.vllm_gpu_memory_utilization = {R.vllm_gpu_memory_utilization} "
+                     "of the GPU besides this plan")
+    else:
+        rollout = (gen_rows * (P + T) * layers * 2 * kv_heads * head_dim * kv_bytes
+                   + 3 * gen_rows * vocab * 4)
+    return MemoryPlan(
+        device=dev, parameters=n_params, micro_batch_tokens=mb_tokens, response_positions=resp_positions,
+        weights=4 * n_params, gradients=4 * n_params, optimizer=8 * n_params,
+        compute_copy=2 * n_params if half else 0, activations=activations, logits=logits, rollout=rollout,
+        runtime=runtime if dev == "cpu" else 0, per_token_layer=per_layer, notes=notes)
+
+
+def _runtime_bytes() -> int:
+    """This process's resident memory now (torch and transformers imported): what any trainer holds before
+    its first tensor."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _activation_bytes_per_token_layer(cfg: Recipe, model_path: str, share: bool, half: bool,
+                                     n: int) -> tuple[int, int]:
+    """(bytes autograd keeps per token per decoder layer under the recipe's settings, the same without
+    activation checkpointing), traced: the trainer's forward on a one- and a two-layer copy of the
+    architecture (random weights, a 64-token vocabulary: the LM head is planned apart) on the CPU, in the
+    compute dtype; the difference of what the two keep is one layer. Tokens are counted as the forward
+    runs them: with prompt sharing, each group's prompt once."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from benchmarks.generation.engines import Sample
+    from stare_cli.backends.forward import pack, token_logprobs_entropy
+
+    E = cfg.backend.embedded
+    rows, prompt, resp = 4, 24, 24
+    per_group = min(rows, n) if share else 1
+
+    def kept(n_layers: int, ckpt: bool) -> int:
+        c = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
+        c.num_hidden_layers = n_layers
+        c.vocab_size = 64
+        if hasattr(c, "layer_types") and c.layer_types:
+            c.layer_types = list(c.layer_types)[:n_layers]
+        torch.manual_seed(0)
+        m = AutoModelForCausalLM.from_config(c, trust_remote_code=cfg.model.trust_remote_code).float()
+        m.train()
+        if ckpt:
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        params = {p.untyped_storage().data_ptr() for p in m.parameters()}
+        samples = [Sample(text="", prompt_ids=[3 + ((i + r // per_group) % 50) for i in range(prompt)],
+                          response_ids=[5 + ((i * 7 + r) % 50) for i in range(resp)]) for r in range(rows)]
+        batch = pack(samples, 0, "cpu")
+        seen: dict[int, int] = {}
+
+        def pack_hook(x):
+            st = x.untyped_storage()
+            if st.data_ptr() not in params:
+                seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+            return x
+
+        auto = torch.autocast("cpu", dtype=torch.bfloat16) if half else _null()
+        with torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda x: x), auto:
+            token_logprobs_entropy(m, batch, list(range(rows)), 1.0, buckets=E.length_buckets,
+                                   share_prompts=share and not ckpt, chunked_head=None if E.lm_head == "chunked" else False)
+        return sum(seen.values())
+
+    def tokens(shared: bool) -> int:
+        return (math.ceil(rows / per_group) if shared else rows) * prompt + rows * resp
+
+    full = max(0, kept(2, False) - kept(1, False)) // tokens(share)
+    if not E.activation_checkpointing:
+        return full, full
+    return max(0, kept(2, True) - kept(1, True)) // tokens(False), full
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def check_fits(p: MemoryPlan) -> Optional[str]:
+    """A warning when the plan's peak exceeds what this machine has (CPU: MemAvailable; CUDA: the device's
+    free memory), else None."""
+    try:
+        if p.device == "cpu":
+            with open("/proc/meminfo") as f:
+                avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+        else:
+            import torch
+
+            avail = torch.cuda.mem_get_info()[0]
+    except (OSError, StopIteration, RuntimeError):
+        return None
+    if p.peak > avail:
+        return (f"the planned peak ({p.peak / GiB:.1f} GiB) exceeds the memory available here "
+                f"({avail / GiB:.1f} GiB): set optim.micro_batch_tokens, backend.embedded.activation_checkpointing")
+    return None

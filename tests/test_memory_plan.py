@@ -1,0 +1,70 @@
+"""The embedded trainer's memory plan (`stare train --dry-run`, stare_cli/backends/memory_plan.py, issue 45):
+its arithmetic on a hand-computed case, and its peak against a measured run of the toy."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+from stare_cli.backends.memory_plan import MemoryPlan, plan
+from stare_cli.core.resolve import load_recipe
+
+
+def test_peak_combines_the_parts_as_documented():
+    # runtime 100 + weights 40 + gradients 40 + optimizer 80 + compute copy 20 + max(rollout 30, 50 + 25) = 355
+    p = MemoryPlan(device="cpu", parameters=10, micro_batch_tokens=1, response_positions=1, weights=40, gradients=40,
+                   optimizer=80, compute_copy=20, activations=50, logits=25, rollout=30, runtime=100, per_token_layer=1)
+    assert p.training == 75 and p.peak == 355
+    p.rollout = 90  # a rollout bigger than the training micro-batch sets the peak instead: 280 + 90
+    assert p.peak == 370
+
+
+def test_the_toy_plan_by_hand(quick_toy):
+    """tiny/arith on the toy (Qwen2: 4 layers, width 128, 2 KV heads of 32, vocabulary 35, tied head)."""
+    cfg = load_recipe("tiny/arith", None, [f"model.path={quick_toy}"])
+    p = plan(cfg, str(quick_toy), device="cpu")
+    assert p.weights == p.gradients == 4 * p.parameters and p.optimizer == 8 * p.parameters and p.compute_copy == 0
+    # micro-batch: micro_batch_size 128 responses (= mini-batch 16 prompts x n 8) of 32 + 56 tokens
+    assert p.micro_batch_tokens == 128 * 88 and p.response_positions == 128 * 56
+    # rollout: 16 prompts x 8 = 128 rows x 88 tokens x 4 layers x 2 (K, V) x 2 heads x 32 x 4 bytes
+    #          + 3 decode-step copies of 128 x 35 float32 logits
+    assert p.rollout == 128 * 88 * 4 * 2 * 2 * 32 * 4 + 3 * 128 * 35 * 4
+    # logits: the chunked head (Qwen2 qualifies) holds four chunks of min(chunk, 7168) positions x 35 x 4 bytes
+    from stare_cli.backends.lm_head import chunk_positions
+
+    assert p.logits == 4 * 4 * 35 * min(chunk_positions(35), 128 * 56)
+    assert p.per_token_layer > 0 and p.activations > 0
+
+
+@pytest.mark.timeout(600)
+def test_the_plan_is_within_15_percent_of_a_measured_toy_run(tmp_path, quick_toy):
+    """Two training steps of tiny/arith in a child process (its own peak resident set, os.wait4), against the
+    plan at the lengths the run had (its prompts, and its longest mean response)."""
+    out = tmp_path / "runs"
+    cmd = [sys.executable, "-m", "stare_cli", "train", "--recipe", "tiny/arith", "--out", str(out),
+           "-o", f"model.path={quick_toy}", "-o", "optim.total_steps=2", "-o", "eval.benchmarks=[]"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    output = proc.stdout.read().decode(errors="replace")
+    _, status, usage = os.wait4(proc.pid, 0)  # this child's own peak resident set (ru_maxrss, KiB)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    assert proc.returncode == 0, output[-2000:]
+    run = next(out.iterdir())
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    peak = usage.ru_maxrss * 1024
+    from benchmarks.data.prompts import load_prompts
+    from benchmarks.generation.engines import load_tokenizer
+    from benchmarks.generation.templates import build_prompt
+
+    cfg = load_recipe("tiny/arith", None, [f"model.path={quick_toy}"])
+    tok = load_tokenizer(str(quick_toy))
+    prompts = [len(tok(build_prompt(r["problem"], cfg.data.template.value, tok, False, None))["input_ids"])
+               for r in load_prompts(cfg)[:32]]
+    p = plan(cfg, str(quick_toy), device="cpu", prompt_tokens=round(sum(prompts) / len(prompts)),
+             response_tokens=round(max(r["len/mean"] for r in rows)))
+    assert abs(p.peak / peak - 1) <= 0.15, (p.lines(), peak / 2**30)
