@@ -372,3 +372,33 @@ def test_export_of_an_embedded_checkpoint(cli, tmp_path, quick_toy):
     assert code == 1 and "is not empty" in err
     code, out, err = cli("export", str(run), "--step", "7", "--out", str(tmp_path / "hf7"))
     assert code == 1 and "no checkpoint of step 7" in err
+
+
+def test_resume_names_metrics_it_cannot_recover(cli, tmp_path, quick_toy):
+    """Issue 47, item 3: with metrics.jsonl cut mid-row, resume rewrote it as steps 1-5, 11, 12 without a
+    word; a deleted metrics.jsonl was accepted silently. The gap is named (it cannot be recovered)."""
+    run = _train(cli, tmp_path, quick_toy, "grpo-ds", "optim.total_steps=3", "method.dynamic_sampling=false",
+                 "checkpoint.every=1", "eval.benchmarks=[]")
+    metrics = run / "metrics.jsonl"
+    lines = metrics.read_text().splitlines()
+    metrics.write_text(lines[0] + "\n" + lines[1][: len(lines[1]) // 2])  # step 1, then step 2 cut mid-row
+    code, _, err = cli("train", "--resume", str(run), "-o", "optim.total_steps=4")
+    assert code == 0, err
+    assert "lacks the metrics of steps 2-3 of the 3 the checkpoint holds" in err, err
+    assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == [1, 4]
+    metrics.unlink()
+    code, _, err = cli("train", "--resume", str(run), "-o", "optim.total_steps=5")
+    assert code == 0 and "lacks the metrics of steps 1-4 of the 4" in err, err
+
+
+def test_out_that_is_a_run_directory_is_refused(cli, tmp_path, quick_toy):
+    """Issue 47, item 5: `stare train --out RUN` and `stare sweep --out RUN` wrote into an existing run."""
+    run = _train(cli, tmp_path, quick_toy, "grpo-ds", "optim.total_steps=1", "method.dynamic_sampling=false",
+                 "eval.benchmarks=[]")
+    before = sorted(p.name for p in run.iterdir())
+    code, _, err = cli("train", "--recipe", "tiny/arith", "--out", str(run), "-o", f"model.path={quick_toy}")
+    assert code == 1 and "is a run directory" in err and "--resume" in err, err
+    code, _, err = cli("sweep", "--recipe", "tiny/arith", "-m", "grpo-ds", "-s", "1", "--out", str(run),
+                       "-o", f"model.path={quick_toy}")
+    assert code == 1 and "is a run directory" in err, err
+    assert sorted(p.name for p in run.iterdir()) == before

@@ -758,3 +758,17 @@ def test_a_seed_given_twice_is_refused(cli, tmp_path, quick_toy):
     code, _, err = cli("eval", "--bench", "toy:arith", "--model", str(quick_toy), "--limit", "2", "--out",
                        str(tmp_path / "ev"), "--seed", "1", "--seed", "1")
     assert code == 1 and "each seed once" in err
+
+
+def test_an_overlong_problem_is_refused_before_any_tokenizer(cli, tmp_path, tiny_model):
+    """Issue 47, item 2: one 10 MB problem row grew `stare eval` to 23 GB (0.1 MB: minutes, deaf to SIGTERM).
+    A row over 32,768 characters is refused by name, within a second, before the model loads."""
+    import time
+
+    data = tmp_path / "big.jsonl"
+    rows = [{"problem": "What is 1+1?", "answer": "2"}, {"problem": "x" * 100_000 + " What is 2+2?", "answer": "4"}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    t = time.time()
+    code, _, err = cli(*_eval_args(tiny_model, tmp_path / "ev", data=data))
+    assert code == 1 and f"{data}:2" in err and "100,013 characters" in err and "32,768" in err, err
+    assert time.time() - t < 10 and not (tmp_path / "ev").exists()

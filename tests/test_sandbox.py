@@ -84,7 +84,8 @@ def test_network_is_unreachable_even_through_the_raw_socket_module():
     finally:
         srv.close()
     assert o.status == "error" and "connected" not in o.output
-    assert "Network is unreachable" in o.output or "Connection refused" in o.output
+    # since issue 47 the seccomp filter refuses the AF_INET socket itself (EPERM) before any route is looked up
+    assert any(x in o.output for x in ("Operation not permitted", "Network is unreachable", "Connection refused"))
 
 
 def test_host_unix_sockets_are_unreachable(tmp_path):
@@ -585,3 +586,33 @@ def test_calls_starting_together_in_threads_all_get_a_memory_group():
     with cf.ThreadPoolExecutor(6) as pool:
         obs = list(pool.map(lambda _: run_python("print('ok')", L), range(6)))
     assert all(o.text() == "ok" and o.memory_peak_mb is not None for o in obs), obs
+
+
+def test_only_unix_sockets_can_be_created():
+    """Issue 47, item 1: a call could create AF_VSOCK sockets and listen on a port of the machine-wide vsock
+    space (a VM's channel to its host). Now every family but AF_UNIX is refused by the seccomp filter, and
+    io_uring (which can open sockets itself) with it; AF_UNIX socket pairs still work."""
+    o = run_python(textwrap.dedent("""
+        import _socket, errno
+        out = []
+        for name in ("AF_VSOCK", "AF_INET", "AF_INET6", "AF_NETLINK", "AF_PACKET"):
+            fam = getattr(_socket, name, None)
+            if fam is None:
+                continue
+            try:
+                _socket.socket(fam, _socket.SOCK_DGRAM if name == "AF_NETLINK" else _socket.SOCK_STREAM).close()
+                out.append(name + ":created")
+            except OSError as e:
+                out.append(name + ":" + errno.errorcode.get(e.errno, str(e.errno)))
+        a, b = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_STREAM)
+        a.send(b"ok"); out.append("unix:" + b.recv(2).decode())
+        s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_DGRAM); s.close(); out.append("unix-socket:ok")
+        import ctypes
+        r = ctypes.CDLL(None, use_errno=True).syscall(425, 8, ctypes.create_string_buffer(120))  # io_uring_setup
+        out.append("io_uring:" + ("refused" if r < 0 and ctypes.get_errno() == errno.EPERM else str(r)))
+        print(" ".join(out))
+    """), L)
+    assert o.status == "ok", o.output
+    words = o.text().split()
+    assert "unix:ok" in words and "unix-socket:ok" in words and "io_uring:refused" in words, words
+    assert all(w.endswith(":EPERM") for w in words if w.startswith("AF_")) and any(w.startswith("AF_VSOCK") for w in words), words

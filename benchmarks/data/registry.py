@@ -160,6 +160,12 @@ def benchmark_source(name: str, data_file: Optional[str] = None) -> str:
     return f"file:{path.resolve()}" if path is not None else f"hub:{spec.hub_id}:{spec.split}"
 
 
+# A problem longer than this is refused by name before anything tokenizes it (issue 47: one 10 MB row grew
+# `stare eval` to 23 GB, and 0.1 MB took minutes in the tokenizer, where SIGTERM waits). 32,768 characters
+# is about 8,000 tokens of English, over six times the longest problem of the paper's benchmarks.
+MAX_PROBLEM_CHARS = 32_768
+
+
 def load_benchmark(name: str, limit: Optional[int] = None, data_file: Optional[str] = None) -> list[dict]:
     """Rows {'problem', 'answer', 'idx'}: from data_file, $STARE_DATA_DIR/<name>.jsonl, or the hub.
 
@@ -198,4 +204,11 @@ def load_benchmark(name: str, limit: Optional[int] = None, data_file: Optional[s
          "answer": _pick(r, spec.answer_fields, "answer", where(i))}
         for i, r in enumerate(raw)
     ]
-    return rows[:limit] if limit else rows
+    rows = rows[:limit] if limit else rows
+    for r in rows:  # before any tokenizer sees it: a huge row took minutes and gigabytes, deaf to SIGTERM
+        if len(str(r["problem"])) > MAX_PROBLEM_CHARS:
+            raise StareError(f"{name}: {where(r['idx'])}: the problem is {len(str(r['problem'])):,} characters long, "
+                             f"over the {MAX_PROBLEM_CHARS:,} an evaluation accepts",
+                             hint="fix or remove that row (the longest problem of the six paper benchmarks is "
+                                  "under 5,000 characters)")
+    return rows

@@ -42,6 +42,15 @@ PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
 KEY_SYSCALLS = {"x86_64": (0xC000003E, 248, 249, 250), "aarch64": (0xC00000B7, 217, 218, 219),
                 "ppc64le": (0xC0000015, 269, 270, 271), "s390x": (0x80000016, 278, 279, 280)}
 KEYCTL_JOIN_SESSION_KEYRING = 1
+# Socket families are not all namespaced: AF_VSOCK (a VM's channel to its host) and others reach past the
+# empty network namespace. Only AF_UNIX sockets may be created. Per architecture: socket, socketpair, and
+# the calls whose arguments a filter cannot read (socketcall: its arguments are in memory; io_uring_setup:
+# io_uring can open sockets by itself), which are refused outright (None: the architecture has none).
+SOCKET_SYSCALLS = {"x86_64": (41, 53, None, 425), "aarch64": (198, 199, None, 425),
+                   "ppc64le": (326, 333, 102, 425), "s390x": (359, 360, 102, 425)}
+AF_UNIX = 1
+# Where the low 32 bits of a call's first argument sit in struct seccomp_data (args[0] at offset 16).
+ARG0_LOW = {"x86_64": 16, "aarch64": 16, "ppc64le": 16, "s390x": 20}
 X32_SYSCALL_BIT = 0x40000000
 # The interpreter's program: read the code from fd 3 (a pipe PID 1 fills), then run it as `-c` would.
 LOADER = ("import os as _o\n"
@@ -191,26 +200,52 @@ def _drop_everything(cfg: dict) -> None:
 
 
 def _no_keyrings() -> None:
-    """A new, empty session keyring, then a seccomp filter that makes add_key, request_key and keyctl
-    fail with EPERM (so neither the caller's user keyring nor any other can be read or written); any
-    other architecture or ABI (i386, x32) of a system call is refused too. Fails closed: no filter, no call."""
+    """A new, empty session keyring, then a seccomp filter:
+    - add_key, request_key and keyctl fail with EPERM (neither the caller's user keyring nor any other can
+      be read or written);
+    - socket and socketpair fail with EPERM for every address family but AF_UNIX (AF_INET/AF_INET6 have
+      no route in the empty network namespace, but AF_VSOCK, AF_NETLINK and others are not namespaced);
+      socketcall and io_uring_setup, whose socket requests a filter cannot see, fail outright;
+    - any other architecture or ABI (i386, x32) of a system call is refused too.
+    Fails closed: no filter, no call."""
     arch = platform.machine()
-    if arch not in KEY_SYSCALLS:
-        raise SetupError(f"seccomp: no keyring system call numbers for {arch}")
+    if arch not in KEY_SYSCALLS or arch not in SOCKET_SYSCALLS:
+        raise SetupError(f"seccomp: no system call numbers for {arch}")
     audit, add_key, request_key, keyctl = KEY_SYSCALLS[arch]
+    sock, sockpair, socketcall, io_uring_setup = SOCKET_SYSCALLS[arch]
     libc.syscall(keyctl, KEYCTL_JOIN_SESSION_KEYRING, None)  # best effort: the filter is the guarantee
+    refused = [n for n in (add_key, request_key, keyctl, socketcall, io_uring_setup) if n is not None]
     ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
     allow, deny = 0x7FFF0000, 0x00050000 | 1  # SECCOMP_RET_ALLOW; SECCOMP_RET_ERRNO | EPERM
-    prog = [(ld, 0, 0, 4),                     # A = arch
-            (jeq, 1, 0, audit),                # native: skip the next
-            (ret, 0, 0, deny),                 # another ABI: refused
-            (ld, 0, 0, 0),                     # A = system call number
-            (jge, 4, 0, X32_SYSCALL_BIT),      # x32 numbers: refused
-            (jeq, 3, 0, add_key),
-            (jeq, 2, 0, request_key),
-            (jeq, 1, 0, keyctl),
-            (ret, 0, 0, allow),
-            (ret, 0, 0, deny)]
+    # Built with labels: each jump names where it goes, and the offsets are computed below.
+    code: list[tuple] = [
+        ("ld", 4), ("jeq", audit, "nr", "DENY"),                 # another ABI: refused
+        ("label", "nr"), ("ld", 0), ("jge", X32_SYSCALL_BIT, "DENY", None),  # x32 numbers: refused
+        *[("jeq", n, "DENY", None) for n in refused],
+        ("jeq", sock, "family", None), ("jeq", sockpair, "family", None),
+        ("ret", allow),
+        ("label", "family"), ("ld", ARG0_LOW[arch]), ("jeq", AF_UNIX, "ALLOW", "DENY"),
+        ("label", "ALLOW"), ("ret", allow),
+        ("label", "DENY"), ("ret", deny)]
+    where, n = {}, 0
+    for ins in code:
+        if ins[0] == "label":
+            where[ins[1]] = n
+        else:
+            n += 1
+    prog, i = [], 0
+    for ins in code:
+        if ins[0] == "label":
+            continue
+        if ins[0] == "ld":
+            prog.append((ld, 0, 0, ins[1]))
+        elif ins[0] == "ret":
+            prog.append((ret, 0, 0, ins[1]))
+        else:  # a conditional jump: offsets count from the next instruction; None falls through
+            op, k, t, f = ins
+            off = lambda lab: 0 if lab is None else where[lab] - (i + 1)  # noqa: E731
+            prog.append((jeq if op == "jeq" else jge, off(t), off(f), k))
+        i += 1
 
     class SockFilter(ctypes.Structure):
         _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]

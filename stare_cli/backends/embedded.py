@@ -668,10 +668,32 @@ def start_or_restore(cfg: Recipe, run: RunHandle, policy: Policy, layer, resume:
     step, cursor = restore_trainer_state(run.ckpt, policy.opt, policy.sched, layer, cfg)
     # Drop metrics written after the checkpoint (a crash mid-way): the resumed run redoes them.
     rows = [r for r in read_jsonl(run.run_dir / "metrics.jsonl") if r.get("step", 0) <= step]
+    lost = missing_steps({int(r.get("step", 0)) for r in rows}, step)
+    if lost:  # a torn, cut or deleted metrics.jsonl: the checkpoint has trained these steps, their rows are gone
+        print(f"warning: {run.run_dir / 'metrics.jsonl'} lacks the metrics of step{'s' if len(lost) > 1 else ''} "
+              f"{_ranges(lost)} of the {step} the checkpoint holds (cut, damaged or deleted); they cannot be "
+              "recovered, and plots and tables will show the gap", file=sys.stderr)
     atomic_write_text(run.run_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
     record_config(run.run_dir, cfg, "resume", step, list(resume.overrides), resume.changed)
     write_card(run.run_dir, "resumed")
     return Position(step, cursor)
+
+
+def missing_steps(present: set[int], step: int) -> list[int]:
+    """Steps 1..step without a metrics row."""
+    return [k for k in range(1, step + 1) if k not in present]
+
+
+def _ranges(steps: list[int]) -> str:
+    """'6-10, 12' for [6, 7, 8, 9, 10, 12]."""
+    out, start = [], None
+    for i, k in enumerate(steps):
+        if start is None:
+            start = k
+        if i + 1 == len(steps) or steps[i + 1] != k + 1:
+            out.append(f"{start}" if start == k else f"{start}-{k}")
+            start = None
+    return ", ".join(out)
 
 
 def start_rollout(cfg: Recipe, hw: Hardware, policy: Policy, resumed: bool) -> Rollout:

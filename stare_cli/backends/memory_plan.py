@@ -131,10 +131,10 @@ def plan(cfg: Recipe, model_path: str, device: Optional[str] = None, prompt_toke
     kv_heads = getattr(mcfg, "num_key_value_heads", None) or mcfg.num_attention_heads
     gen_rows = max(1, R.gen_batch_size * R.n)
     kv_bytes = 2 if half else 4
-    if R.engine == "vllm":
+    if R.engine == "vllm" or (R.engine == "auto" and dev == "cuda"):  # as choose_hardware picks it (with vLLM installed)
         rollout = 0
-        notes.append(f"rollout: vLLM holds rollout.vllm_gpu_memory_utilization = {R.vllm_gpu_memory_utilization} "
-                     "of the GPU besides this plan")
+        notes.append(f"rollout: vLLM (rollout.engine {R.engine} on CUDA) holds rollout.vllm_gpu_memory_utilization = "
+                     f"{R.vllm_gpu_memory_utilization} of the GPU besides this plan")
     else:
         rollout = (gen_rows * (P + T) * layers * 2 * kv_heads * head_dim * kv_bytes
                    + 3 * gen_rows * vocab * 4)
@@ -160,8 +160,9 @@ def _activation_bytes_per_token_layer(cfg: Recipe, model_path: str, share: bool,
     """(bytes autograd keeps per token per decoder layer under the recipe's settings, the same without
     activation checkpointing), traced: the trainer's forward on a one- and a two-layer copy of the
     architecture (random weights, a 64-token vocabulary: the LM head is planned apart) on the CPU, in the
-    compute dtype; the difference of what the two keep is one layer. Tokens are counted as the forward
-    runs them: with prompt sharing, each group's prompt once."""
+    compute dtype; the difference of what the two keep is one layer, and its growth from 16 to 32 tokens
+    per prompt and response is the per-token part. Tokens are counted as the forward runs them: with
+    prompt sharing, each group's prompt once."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -169,10 +170,10 @@ def _activation_bytes_per_token_layer(cfg: Recipe, model_path: str, share: bool,
     from stare_cli.backends.forward import pack, token_logprobs_entropy
 
     E = cfg.backend.embedded
-    rows, prompt, resp = 4, 24, 24
+    rows = 4
     per_group = min(rows, n) if share else 1
 
-    def kept(n_layers: int, ckpt: bool) -> int:
+    def kept(n_layers: int, ckpt: bool, prompt: int, resp: int) -> int:
         c = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
         c.num_hidden_layers = n_layers
         c.vocab_size = 64
@@ -201,13 +202,19 @@ def _activation_bytes_per_token_layer(cfg: Recipe, model_path: str, share: bool,
                                    share_prompts=share and not ckpt, chunked_head=None if E.lm_head == "chunked" else False)
         return sum(seen.values())
 
-    def tokens(shared: bool) -> int:
+    def tokens(shared: bool, prompt: int, resp: int) -> int:
         return (math.ceil(rows / per_group) if shared else rows) * prompt + rows * resp
 
-    full = max(0, kept(2, False) - kept(1, False)) // tokens(share)
-    if not E.activation_checkpointing:
-        return full, full
-    return max(0, kept(2, True) - kept(1, True)) // tokens(False), full
+    def slope(ckpt: bool) -> int:
+        """One layer's bytes per token: (two layers - one) at 32 and at 16 tokens per part, differenced, so
+        that what does not grow with tokens (autocast's weight copies) cancels."""
+        shared = share and not ckpt
+        big = kept(2, ckpt, 32, 32) - kept(1, ckpt, 32, 32)
+        small = kept(2, ckpt, 16, 16) - kept(1, ckpt, 16, 16)
+        return max(0, big - small) // (tokens(shared, 32, 32) - tokens(shared, 16, 16))
+
+    full = slope(False)
+    return (slope(True) if E.activation_checkpointing else full), full
 
 
 class _null:
@@ -229,7 +236,7 @@ def check_fits(p: MemoryPlan) -> Optional[str]:
             import torch
 
             avail = torch.cuda.mem_get_info()[0]
-    except (OSError, StopIteration, RuntimeError):
+    except Exception:  # no /proc/meminfo, or no CUDA in this torch: nothing to compare with
         return None
     if p.peak > avail:
         return (f"the planned peak ({p.peak / GiB:.1f} GiB) exceeds the memory available here "

@@ -39,9 +39,22 @@ def run_name(recipe: Recipe, now: float | None = None) -> str:
     return f"{recipe.name.replace('/', '-')}__{recipe.method.name}__seed{recipe.optim.seed}__{stamp}"
 
 
+def refuse_run_dir_as_parent(root: Path, what: str = "--out") -> None:
+    """StareError when `root`, a folder that should hold run directories, is itself a run directory (its
+    config.yaml and meta.json): a new run would be written inside another run's records."""
+    from stare_cli.core.errors import StareError
+
+    root = Path(root)
+    if (root / "config.yaml").is_file() and (root / "meta.json").is_file():
+        raise StareError(f"{what} {root} is a run directory: new runs are created inside a parent folder",
+                         hint=f"to continue that run: stare train --resume {root}; else choose its parent, "
+                              f"e.g. {what} {root.parent}")
+
+
 def new_run_dir(recipe: Recipe, root: str | Path = "runs") -> Path:
     """Create a fresh run directory. `mkdir` either creates the directory or fails, so two processes
     starting in the same second never share one: the loser takes the next suffix (-2, -3, ...)."""
+    refuse_run_dir_as_parent(Path(root))
     path = make_unique_dir(Path(root) / run_name(recipe))
     for sub in ("checkpoints", "samples", "eval"):
         (path / sub).mkdir()
