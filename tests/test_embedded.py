@@ -402,3 +402,21 @@ def test_out_that_is_a_run_directory_is_refused(cli, tmp_path, quick_toy):
                        "-o", f"model.path={quick_toy}")
     assert code == 1 and "is a run directory" in err, err
     assert sorted(p.name for p in run.iterdir()) == before
+
+
+def test_unclear_errors_name_their_cause(cli, tmp_path):
+    """Issue 47, item 6: these printed an exception class, hung, or nothing useful."""
+    fifo = tmp_path / "r.yaml"
+    os.mkfifo(fifo)
+    a_file = tmp_path / "f"
+    a_file.write_text("x")
+    (tmp_path / "empty").mkdir()
+    cases = [
+        (["train", "--recipe", str(fifo)], "not a regular file"),  # reading a FIFO blocked for ever
+        (["train", "--recipe", "tiny/arith", "--out", str(a_file)], "it is a file"),
+        (["train", "--recipe", "tiny/arith", "-o", f"model.path={a_file}"], "a file, not a model folder"),
+        (["train", "--recipe", "tiny/arith", "-o", f"model.path={tmp_path / 'empty'}"], "no config.json"),
+    ]
+    for args, said in cases:
+        code, _, err = cli(*args)
+        assert code == 1 and err.startswith("error: ") and said in err and "Error:" not in err, (args, err)

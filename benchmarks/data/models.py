@@ -99,7 +99,10 @@ def check_model_name(what: str, name: str, path: str) -> None:
     `what` names the setting ('--model', 'model.path'); `path` is what `resolve_model_path` made of it."""
     p = Path(path).expanduser()
     if p.exists():
-        if p.is_dir() and not (p / "config.json").exists():
+        if not p.is_dir():
+            raise StareError(f"{what} {name}: a file, not a model folder",
+                             hint="point at the folder save_pretrained wrote (config.json, weights, tokenizer)")
+        if not (p / "config.json").exists():
             raise StareError(f"{what} {name}: no config.json in that folder (not a model, checkpoint or run directory)",
                              hint="point at a folder save_pretrained wrote, a run directory, or a hub id")
         return

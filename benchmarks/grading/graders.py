@@ -22,10 +22,16 @@ Our grader (`math-verify`):
   ("The largest $n$ is 34") is reduced to what it states, and a statement with nothing answer-like
   ("I hope this answer is helpful!") is none. A boxed AMC choice with its value
   (`\\textbf{(C)}\\ 12`) also offers the value. An escaped dollar (`\\$5`) is currency, not math.
+  A remark after the final box ("this answer is right", "the answer is larger than ...") does not replace
+  it, and a clause after a stated answer (", which ...", " since ...") is cut off. Boxes of the final
+  paragraph offered as alternatives ("\\boxed{2} or \\boxed{5}") count only together, as a list (the
+  strict reading of a hedge). An inline `$...$` span that is prose without LaTeX (unescaped dollar
+  amounts: "$3 and she pays with $") is not math. "negative 4" is -4.
   Each verdict records how the answer was found. `boxed_only` (training rewards): the box candidates only.
 - Verification: thousands separators inside numbers are removed (`3\\,159`, `1{,}000`, `1,000`; not
   `0,111`); other commas make a list (`1,3`), which math-verify compares as a set (so `13` is not
-  `1,3`, and `3, 1` is), except a decimal comma beside a decimal point (`1000,99` = `1000.99`); two plain
+  `1,3`, and `3, 1` is, and the decimal `1.3` is not), except an answer's decimal comma beside a gold's
+  decimal point (`1000,99` = `1000.99`) and a gold that can only be a decimal comma (`0,111`, `1,22`); two plain
   numbers are compared with a relative tolerance of 1e-6 and nothing else (math-verify rounds to 6
   decimal places, which makes 0.0000005 equal 0.000000389); otherwise math-verify on
   `\\boxed{answer}` vs `\\boxed{gold}`, then the same with a trailing percent sign dropped on both
@@ -65,16 +71,32 @@ class Verdict:
 
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _PHRASE = re.compile(r"(?:final answer|the answer|answer)\s*(?:is|:)", re.IGNORECASE)
+# A phrase about an answer already given, not stating one: "this answer is right", "that answer is ..."
+_REMARK_SUBJECT = re.compile(r"\b(?:this|that|our|my|your|which|the above|each|every)\s+(?:final\s+)?$", re.IGNORECASE)
+# What follows "answer is" when it judges the answer instead of stating it
+_EVALUATIVE = re.compile(r"\s*(?:indeed\s+|also\s+|clearly\s+|not\s+)?(?:right|correct|wrong|incorrect|valid|invalid|"
+                         r"reasonable|consistent|plausible|larger|smaller|greater|less|bigger|positive|negative\b(?!\s*\d)|"
+                         r"an? (?:integer|whole|prime|even|odd|positive|negative)|confirmed|verified|"
+                         r"checked|as expected|the same)\b", re.IGNORECASE)
+# A clause after a stated answer that explains it ("8, which is 2 more than 6"): not part of the answer
+_CLAUSE = re.compile(r",?\s+(?:which|since|because|as this|so that|where|this is|that is)\b", re.IGNORECASE)
+# Boxes offered as alternatives: "\boxed{2} or \boxed{5}"
+_HEDGE = re.compile(r"\bor\b|\beither\b", re.IGNORECASE)
+_NEGATIVE_WORD = re.compile(r"^(?:negative|minus)\s+(?=\d)", re.IGNORECASE)
 # Inline or display math; an escaped dollar (`\\$`, currency) is text, never a delimiter.
 _INLINE = re.compile(r"(?<!\\)\$\$(.+?)(?<!\\)\$\$|(?<!\\)\$(.+?)(?<!\\)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]", re.DOTALL)
 # A number in prose: thousands groups (1,000.5), a decimal comma (2,74; 0,111), a fraction (3/4)
 # (not inside a word: "AZYUK2A" holds no number), a leading decimal point (.4)
 _NUMBER = re.compile(r"(?<![A-Za-z\d.])-?(?:\d+(?:(?:,\d{3})+(?![\d,])(?:\.\d+)?|,\d+(?![\d,])|\.\d+)?|\.\d+)(?:/\d+)?")
 _INT = re.compile(r"^[-+]?\d+$")
-_CHOICE = re.compile(r"^(?:\\textbf\{\s*\(?[A-E]\)?\s*\}|\\text\{\s*\(?[A-E]\)?\s*\}|\([A-E]\))\s*(?:\\[ ,;:!]|~|\\quad)?\s*(\S.*)$")
+_CHOICE = re.compile(r"^(?:\\textbf\{\s*\(?([A-E])\)?\s*\}|\\text\{\s*\(?([A-E])\)?\s*\}|\(([A-E])\))\s*(?:\\[ ,;:!]|~|\\quad)?\s*(\S.*)$")
 # Thousands separators: 1,000 or 12,345.5 (the first group does not start with 0: 0,111 is a decimal comma)
 _THOUSANDS = re.compile(r"^[-+]?[1-9]\d{0,2}(?:,\d{3})+(?:\.\d+)?$")
 _DECIMAL_COMMA = re.compile(r"^[-+]?\d+,\d+$")
+# A gold with a comma is a list ("1,3": OlympiadBench writes lists so) unless it can only be a decimal comma:
+# 0,111 (no list or thousands group starts with 0), or two digits after the comma (1,22: Math-Verify's
+# tests read it as 1.22; lists of such golds have one-digit items). The ambiguous one-digit case reads as a list.
+_GOLD_DECIMAL_COMMA = re.compile(r"^[-+]?(?:0,\d+|\d+,\d\d)$")
 _NO_SPACE = re.compile(r"(?<!,)\s+(?!,)")
 _PLAIN_NUMBER = re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?$")
 _SCI = re.compile(r"(?<![\w.])(-?\d+(?:\.\d+)?)[eE]([-+]?\d+)(?![\w.])")
@@ -103,6 +125,9 @@ def boxes(text: str) -> tuple[list[Box], bool]:
             continue
         depth, i = 1, m.end()
         while i < len(text) and depth:
+            if text[i] == "\\" and i + 1 < len(text) and text[i + 1] in "{}":  # \{ \}: literal braces
+                i += 2
+                continue
             depth += {"{": 1, "}": -1}.get(text[i], 0)
             i += 1
         if depth:
@@ -154,11 +179,14 @@ def _stated_answer(text: str) -> tuple[Optional[str], int]:
     often display math), the next non-empty line. A sentence is reduced to what it states; a
     statement with no answer-like content ("this answer is helpful!") is no answer."""
     last = None
-    for last in _PHRASE.finditer(text):
-        pass
+    for m in _PHRASE.finditer(text):
+        if not _REMARK_SUBJECT.search(text[max(0, m.start() - 12):m.start()]):  # "this answer is right": a remark
+            last = m
     if last is None:
         return None, -1
     rest = text[last.end():]
+    if _EVALUATIVE.match(rest):  # "the answer is correct / larger than ...": a judgement, not the answer
+        return None, -1
     lines = rest.split("\n")
     line = lines[0]
     if not line.strip(" :*.\t"):
@@ -173,6 +201,7 @@ def _stated_answer(text: str) -> tuple[Optional[str], int]:
         line = line.strip("$").strip()
     line = line.rstrip(".").strip()
     if not m:  # a math span is the answer as written, never a sentence to reduce
+        line = _CLAUSE.split(line, maxsplit=1)[0].strip().rstrip(",").strip()  # "8, which is 2 more than 6": 8
         line = _reduce_sentence(line)
     if not line or not _answer_like(line):
         return None, -1
@@ -190,10 +219,17 @@ def extract_candidates(response: str, boxed_only: bool = False) -> tuple[list[st
     if found and not (stated is not None and offset + at > found[-1].end):
         cands = [found[-1].content]
         choice = _CHOICE.match(found[-1].content)
-        if choice:  # \\textbf{(C)}\\ 12: the choice letter with its value; the value is graded too
-            cands.append(choice.group(1).strip())
+        if choice:  # \\textbf{(C)}\\ 12: the choice letter with its value; the value and the letter are graded too
+            cands.append(choice.group(4).strip())
+            cands.append(next(g for g in choice.groups()[:3] if g))
         para_start = response.rfind("\n\n", 0, found[-1].start) + 1
-        together = [b.content for b in found if b.start >= para_start]
+        final_boxes = [b for b in found if b.start >= para_start]
+        between = [response[a.end:b.start] for a, b in zip(final_boxes, final_boxes[1:])]
+        together = [b.content for b in final_boxes]
+        if any(_HEDGE.search(t) for t in between) and len(set(together)) > 1:
+            # "x = \boxed{2} or x = \boxed{5}": the boxes count only together, as a list (right for the gold
+            # "2, 5", the solutions of an equation); never one of them alone (a hedge; the strict reading)
+            return [", ".join(together)], "boxed-alternatives"
         if len(together) >= 2:
             cands.append(", ".join(together))
         return cands, "boxed"
@@ -202,7 +238,9 @@ def extract_candidates(response: str, boxed_only: bool = False) -> tuple[list[st
     if stated is not None:
         return [stated], "answer-phrase"
     final = text[text.rstrip().rfind("\n\n") + 1:] if "\n\n" in text.rstrip() else text
-    maths = [next(g for g in m.groups() if g is not None) for m in _INLINE.finditer(final)]
+    # "$3 and she pays with $5": unescaped dollar amounts in prose pair up as a span of words, which is not math
+    maths = [g for g in (next(x for x in m.groups() if x is not None) for m in _INLINE.finditer(final))
+             if "\\" in g or not _prose(g)]
     if maths and maths[-1].strip():
         return [maths[-1].strip()], "inline-math"
     nums = _NUMBER.findall(text)
@@ -220,6 +258,7 @@ def extract_answer(response: str, boxed_only: bool = False) -> tuple[Optional[st
 
 def _normalise(s: str) -> str:
     s = s.strip()
+    s = _NEGATIVE_WORD.sub("-", s)  # "negative 4": -4
     if len(s) >= 2 and s.startswith("$") and s.endswith("$"):
         s = s.strip("$").strip()
     s = _GROUP_SEP.sub("", s)
@@ -252,9 +291,15 @@ def _cheap(answer: str, gold: str) -> Optional[str]:
         return "integer" if int(a2) == int(g2) else "mismatch"
     # A decimal comma (1000,99) beside a decimal point (1000.99): the same number. Only then: "1,3"
     # beside "13" or "3, 1" is a list, which math-verify compares as a set.
-    for x_, y_ in ((a2, g2), (g2, a2)):
-        if _DECIMAL_COMMA.match(x_) and not _THOUSANDS.match(x_) and "." in y_ and _number(y_) is not None:
-            return "numeric" if math.isclose(float(x_.replace(",", ".")), _number(y_), rel_tol=1e-6) else "mismatch"
+    # The gold's "1,3" is a list (OlympiadBench writes lists so): a decimal 1.3 never matches it; a gold that
+    # can only be a decimal comma (_GOLD_DECIMAL_COMMA) matches the decimal. An answer's comma may be a
+    # decimal comma beside a gold with a decimal point.
+    if _DECIMAL_COMMA.match(a2) and not _THOUSANDS.match(a2) and "." in g2 and _number(g2) is not None:
+        return "numeric" if math.isclose(float(a2.replace(",", ".")), _number(g2), rel_tol=1e-6) else "mismatch"
+    if _GOLD_DECIMAL_COMMA.match(g2) and "." in a2 and _number(a2) is not None:  # 0,111 and 1,22: decimals
+        return "numeric" if math.isclose(float(g2.replace(",", ".")), _number(a2), rel_tol=1e-6) else "mismatch"
+    if _DECIMAL_COMMA.match(g2) and "." in a2 and _number(a2) is not None:
+        return "mismatch"
     x, y = _number(a), _number(g)
     if x is not None and y is not None:  # relative tolerance, not math-verify's 6 decimal places
         return "numeric" if math.isclose(x, y, rel_tol=1e-6, abs_tol=0.0) else "mismatch"
@@ -410,7 +455,7 @@ class GraderSpec:
 
 
 GRADERS: dict[str, GraderSpec] = {g.name: g for g in [
-    GraderSpec("math-verify", 5, "ours: final box (or a later stated answer, or inline math, or the last number), "
+    GraderSpec("math-verify", 6, "ours: final box (or a later stated answer, or inline math, or the last number), "
                "normalised, then math-verify", key=_candidates_key, judge=grade, quick=_quick),
     GraderSpec("math-verify-plain", 1, "math-verify's defaults on the whole response",
                key=lambda r, b: (r[-MAX_RESPONSE_CHARS:], "whole-response"), judge=_plain_math_verify),

@@ -194,6 +194,9 @@ def _load_file(path: Path, layered: Layered, stack: tuple[Path, ...]) -> None:
     if path in stack:
         chain = " -> ".join(p.name for p in (*stack, path))
         raise StareError(f"{_display(path)}: include cycle: {chain}")
+    if path.exists() and not path.is_file():  # a folder, a FIFO (reading one blocks for ever), a device
+        kind = "a directory" if path.is_dir() else "not a regular file"
+        raise StareError(f"{_display(path)}: cannot read recipe: {kind}", hint="name a .yaml file")
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as e:

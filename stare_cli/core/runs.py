@@ -54,8 +54,15 @@ def refuse_run_dir_as_parent(root: Path, what: str = "--out") -> None:
 def new_run_dir(recipe: Recipe, root: str | Path = "runs") -> Path:
     """Create a fresh run directory. `mkdir` either creates the directory or fails, so two processes
     starting in the same second never share one: the loser takes the next suffix (-2, -3, ...)."""
+    from stare_cli.core.errors import StareError
+
     refuse_run_dir_as_parent(Path(root))
-    path = make_unique_dir(Path(root) / run_name(recipe))
+    try:
+        path = make_unique_dir(Path(root) / run_name(recipe))
+    except OSError as e:  # --out is a file, or a folder this user cannot write
+        why = "it is a file" if Path(root).is_file() else e.strerror
+        raise StareError(f"--out {root}: cannot create a run directory there ({why})",
+                         hint="choose a folder you can write, e.g. --out runs") from None
     for sub in ("checkpoints", "samples", "eval"):
         (path / sub).mkdir()
     return path
