@@ -99,3 +99,21 @@ def test_another_librarys_parametrized_cases_are_collected_and_graded(tmp_path):
     assert res["without_options"] == {"cases": 4, "agree": 3}
     assert res["with_options"] == {"cases": 2, "agree": 1}
     assert [d["pred"] for d in res["disagreements"]] == ["\\boxed{8}", "0.50001"]
+
+
+def test_maj_at_k_equivalence_runs_under_the_graders_time_limits():
+    """Issue 46: maj@k compared answers with math-verify in the main process, with no overall limit (about
+    5 s per pair of pathological answers such as 9^{9^{9^{9}}}). Now every pair of a problem's distinct
+    answers is judged through the grader's pool, under its hard per-item limit; a timeout counts as
+    different."""
+    import time
+
+    from benchmarks.evaluation.evaluate import _same_answer
+
+    with Grader(workers=1, timeout=1, hard_timeout=3.0) as g:
+        t = time.time()
+        same = _same_answer(g, [["1/2", "0.5", "3", None], ["9^{9^{9^{9}}}", "9^{9^{9^{10}}}"]])
+        elapsed = time.time() - t
+    assert same("1/2", "0.5") and same("0.5", "1/2") and not same("3", "0.5") and same("3", "3")
+    assert not same("9^{9^{9^{9}}}", "9^{9^{9^{10}}}")
+    assert elapsed < 30, elapsed  # bounded by the pool's limits, whatever math-verify does

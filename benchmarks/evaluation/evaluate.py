@@ -159,9 +159,24 @@ def _grade_rows(rows: list[dict], grader: Grader) -> list[dict]:
     return rows
 
 
-def _same_answer():
-    """Answer equivalence for maj@k: our grader's judgement, memoised."""
+def _same_answer(grader: Optional[Grader] = None, answer_lists: Optional[list[list]] = None):
+    """Answer equivalence for maj@k: our grader's judgement of one answer against another.
+
+    With `grader` and the problems' answers, every pair of distinct answers of a problem is judged up front
+    through the grader's pool: the same time limits as grading (math-verify's own, and the pool's hard
+    wall-clock limit per item, which kills a hung worker), and its verdict cache. A pair that times out
+    counts as different. Without them (a caller with no pool), judged in this process, memoised."""
     memo: dict[tuple[str, str], bool] = {}
+    if grader is not None and answer_lists is not None:
+        import itertools
+
+        pairs = sorted({(a, b) for answers in answer_lists
+                        for a, b in itertools.combinations(sorted({x for x in answers if x is not None}), 2)})
+        if pairs:
+            verdicts = grader.grade_many([f"\\boxed{{{a}}}" for a, _ in pairs], [b for _, b in pairs])
+            for (a, b), v in zip(pairs, verdicts):
+                memo[(a, b)] = memo[(b, a)] = bool(v.correct)
+        return lambda a, b: a == b or memo.get((a, b), False)
 
     def same(a: str, b: str) -> bool:
         if (a, b) not in memo:
@@ -210,7 +225,8 @@ def write_results(out_dir: Path, s: EvalSettings, rows: list[dict], grader: Grad
         "protocol": {"n": s.n, "temperature": s.temperature, "top_p": s.top_p, "template": s.template,
                      "max_tokens": s.max_tokens, "paper_protocol": s.n == spec.n and s.temperature == spec.temperature
                      and s.top_p == spec.top_p and s.limit is None and not data.get("partial")},
-        "data": data, "metrics": benchmark_metrics(per_problem, same=_same_answer()), "elapsed_s": elapsed,
+        "data": data, "metrics": benchmark_metrics(per_problem, same=_same_answer(grader, [p["answers"] for p in per_problem])),
+        "elapsed_s": elapsed,
         "environment": environment_summary(), **(extra or {}),
     }
     text = json.dumps(results, indent=2)
