@@ -141,3 +141,21 @@ def test_trainer_forward_chunked_equals_plain_on_the_toy(share):
         err_c = float((chunked[2][n] - gr).abs().max())
         err_p = float((plain[2][n] - gr).abs().max())
         assert err_c <= max(4 * err_p, 1e-6 * max(1.0, float(gr.abs().max()))), (n, err_c, err_p)
+
+
+def test_auto_chunks_real_vocabularies_only():
+    """backend.embedded.lm_head 'auto': the toys (35-40 tokens, whose numbers in docs/ were made with the full
+    head) keep the model's logits; a real vocabulary (from 4,096 tokens) gets the chunked head."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from stare_cli.backends.embedded import AUTO_CHUNK_VOCAB, chunked_head
+
+    def fake(vocab):
+        return SimpleNamespace(get_output_embeddings=lambda: torch.nn.Linear(8, vocab, bias=False))
+
+    auto, full, chunked = (SimpleNamespace(lm_head=x) for x in ("auto", "full", "chunked"))
+    assert chunked_head(auto, build_model(40, seed=3)) is False
+    assert chunked_head(auto, fake(AUTO_CHUNK_VOCAB)) is None and chunked_head(auto, fake(49152)) is None
+    assert chunked_head(full, fake(49152)) is False and chunked_head(chunked, fake(40)) is None

@@ -34,10 +34,13 @@ def test_the_toy_plan_by_hand(quick_toy):
     # rollout: 16 prompts x 8 = 128 rows x 88 tokens x 4 layers x 2 (K, V) x 2 heads x 32 x 4 bytes
     #          + 3 decode-step copies of 128 x 35 float32 logits
     assert p.rollout == 128 * 88 * 4 * 2 * 2 * 32 * 4 + 3 * 128 * 35 * 4
-    # logits: the chunked head (Qwen2 qualifies) holds four chunks of min(chunk, 7168) positions x 35 x 4 bytes
+    # logits: lm_head 'auto' keeps the full head below a 4,096-token vocabulary: four float32 copies of
+    # 7,168 response positions x 35; forced chunked (Qwen2 qualifies): four chunks of min(chunk, 7,168) positions
+    assert p.logits == 4 * 4 * 35 * 128 * 56
     from stare_cli.backends.lm_head import chunk_positions
 
-    assert p.logits == 4 * 4 * 35 * min(chunk_positions(35), 128 * 56)
+    cfg = load_recipe("tiny/arith", None, [f"model.path={quick_toy}", "backend.embedded.lm_head=chunked"])
+    assert plan(cfg, str(quick_toy), device="cpu").logits == 4 * 4 * 35 * min(chunk_positions(35), 128 * 56)
     assert p.per_token_layer > 0 and p.activations > 0
 
 

@@ -736,10 +736,16 @@ def skip_step(policy: Policy) -> dict[str, float]:
 
 
 # ------------------------------------------------------------------- 4. old log-probs, entropies
-def chunked_head(E) -> Optional[bool]:
+def chunked_head(E, model=None) -> Optional[bool]:
     """backend.embedded.lm_head as token_logprobs_entropy's switch: None (chunked where the architecture
-    allows it) or False (the model's own logits)."""
+    allows it) or False (the model's own logits); 'auto' chunks from a vocabulary of AUTO_CHUNK_VOCAB on."""
+    if E.lm_head == "auto":
+        head = model.get_output_embeddings() if model is not None else None
+        return None if head is not None and head.weight.shape[0] >= AUTO_CHUNK_VOCAB else False
     return None if E.lm_head == "chunked" else False
+
+
+AUTO_CHUNK_VOCAB = 4096
 
 
 def old_pass(policy: Policy, layer, ro: StepRollouts, cfg: Recipe) -> OldPass:
@@ -757,11 +763,11 @@ def old_pass(policy: Policy, layer, ro: StepRollouts, cfg: Recipe) -> OldPass:
         with policy.autocast():
             lp, en = token_logprobs_entropy(policy.model, batch, plan[0][0].rows, R.temperature,
                                             buckets=E.length_buckets, share_prompts=share,
-                                            chunked_head=chunked_head(E))
+                                            chunked_head=chunked_head(E, policy.model))
         return OldPass(batch, plan, lp.detach().float(), en.detach().float(), (lp, en), t_start)
     old_logp, entropy = old_logprobs_and_entropy(
         policy.model, batch, [c.rows for calls in plan for c in calls], R.temperature, policy.autocast,
-        E.length_buckets, share, chunked_head(E))
+        E.length_buckets, share, chunked_head(E, policy.model))
     return OldPass(batch, plan, old_logp, entropy, None, t_start)
 
 
@@ -816,7 +822,7 @@ def ppo_updates(policy: Policy, layer, old: OldPass, tb: TrainBatch, cfg: Recipe
                         lp, en = token_logprobs_entropy(policy.model, old.batch, idx, R.temperature,
                                                         need_entropy=layer.needs_entropy_in_loss,
                                                         buckets=E.length_buckets, share_prompts=share,
-                                                        chunked_head=chunked_head(E))
+                                                        chunked_head=chunked_head(E, policy.model))
                 loss, st = layer.loss(LossInputs(
                     log_prob=lp.float(), old_log_prob=old.old_logp[idx], advantages=bt.advantages[idx],
                     mask=bt.mask[idx], agg=layer.call_agg(call, bt.mask, mini), entropy=None if en is None else en.float(),

@@ -99,8 +99,10 @@ def plan(cfg: Recipe, model_path: str, device: Optional[str] = None, prompt_toke
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(mcfg, trust_remote_code=cfg.model.trust_remote_code)
     n_params = sum(p.numel() for p in meta.parameters())
-    chunked = E.lm_head == "chunked" and lm_head.supports(meta)
     vocab = int(meta.get_output_embeddings().weight.shape[0])
+    from stare_cli.backends.embedded import AUTO_CHUNK_VOCAB
+
+    chunked = (E.lm_head == "chunked" or (E.lm_head == "auto" and vocab >= AUTO_CHUNK_VOCAB)) and lm_head.supports(meta)
     layers = int(getattr(mcfg, "num_hidden_layers", 1))
     del meta
     half = O.precision in ("bf16", "fp16") and dev == "cuda"
@@ -199,7 +201,7 @@ def _activation_bytes_per_token_layer(cfg: Recipe, model_path: str, share: bool,
         auto = torch.autocast("cpu", dtype=torch.bfloat16) if half else _null()
         with torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda x: x), auto:
             token_logprobs_entropy(m, batch, list(range(rows)), 1.0, buckets=E.length_buckets,
-                                   share_prompts=share and not ckpt, chunked_head=None if E.lm_head == "chunked" else False)
+                                   share_prompts=share and not ckpt, chunked_head=None if E.lm_head != "full" else False)
         return sum(seen.values())
 
     def tokens(shared: bool, prompt: int, resp: int) -> int:

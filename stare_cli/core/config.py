@@ -324,12 +324,13 @@ class EmbeddedBackend(_Strict):
         "auto", description="Training forwards run each distinct prompt once for all its responses (the same "
         "values up to float rounding; toy: 18% less forward/backward time). auto: true on the CPU, false on CUDA, where "
         "the responses' forward would need an explicit attention mask (no flash kernel) and it is unmeasured.")
-    lm_head: Literal["chunked", "full"] = Field(
-        "chunked", description="Training forwards: 'chunked' computes log-probs and entropies from the last hidden "
+    lm_head: Literal["auto", "chunked", "full"] = Field(
+        "auto", description="Training forwards: 'chunked' computes log-probs and entropies from the last hidden "
         "state on response positions only, a chunk of positions at a time, forward and backward (no [positions x "
         "vocabulary] tensor for the whole micro-batch; the same values up to float32 rounding) where the "
         "architecture's logits are plainly lm_head(hidden) (stare_cli/backends/lm_head.py), else 'full'; 'full': "
-        "the model's own logits.")
+        "the model's own logits; 'auto': chunked from a vocabulary of 4,096 tokens on (every real model), full "
+        "below (the toys, whose numbers in docs/ were made with it).")
     activation_checkpointing: StrictBool = Field(
         False, description="Keep only each decoder layer's input for the backward pass and recompute the rest "
         "(transformers' gradient checkpointing): activation memory per micro-batch drops by about the layer's "
