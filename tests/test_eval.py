@@ -458,6 +458,8 @@ def test_bad_data_is_found_before_the_model_loads(cli, tmp_path, content, messag
 def test_unwritable_out_and_missing_data_dir_files_say_what_to_do(cli, tmp_path, monkeypatch):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")  # a model folder by name: --out is checked after it
     code, _, err = cli("eval", "--bench", "math500", "--model", str(tmp_path / "m"), "--out", str(blocker / "sub"),
                        "--data-file", str(FIXTURE_DATA / "math500.jsonl"), "--engine", "hf")
     assert code == 1 and "cannot write there" in err and "hint" in err

@@ -469,10 +469,14 @@ def check_model_path(model: str, path: str) -> None:
     check_model_name("--model", model, path)
 
 
-def check_inputs(benches: list[str], limit: Optional[int], data_file: Optional[str], out: Path) -> dict[str, list[dict]]:
+def check_inputs(benches: list[str], limit: Optional[int], data_file: Optional[str], out: Path,
+                 before_out=None) -> dict[str, list[dict]]:
     """Everything that can fail before a model loads: every benchmark's data (file and line of a bad
-    row, an empty file, a missing file in STARE_DATA_DIR) and a writable output folder."""
+    row, an empty file, a missing file in STARE_DATA_DIR), then `before_out()` (the model's name), then a
+    writable output folder (created last: a failed check leaves no empty folder)."""
     rows = {b: load_benchmark(b, limit=limit, data_file=data_file) for b in benches}
+    if before_out is not None:
+        before_out()
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / f".write-test-{time.time_ns()}"
@@ -522,8 +526,9 @@ def run_eval(model: str, benches: list[str], engine_name: str = "auto", n: Optio
     path, run_dir = resolve_model(model)
     if out is None:
         out = (run_dir / "eval" / Path(path).name) if run_dir else Path("evals") / path.strip("/").replace("/", "__")
-    check_model_path(model, path)  # before anything is written
-    data = check_inputs(benches, limit, data_file, out)  # before the model loads
+    # before the model loads: the data (file and line of a bad row), then the model's name, then --out
+    # (the last, so that no failed check leaves an empty folder behind)
+    data = check_inputs(benches, limit, data_file, out, before_out=lambda: check_model_path(model, path))
     if (Path(path) / MANIFEST).exists():  # a training checkpoint: verified by content before it loads
         problem = checkpoint_problem(Path(path))
         if problem:

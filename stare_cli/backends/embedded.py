@@ -445,6 +445,7 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume: Optional[ResumePla
     O, E = cfg.optim, cfg.eval
     # 0. set-up: hardware, run directory, policy, trainer state, prompts, rollout engine
     hw = choose_hardware(cfg)
+    rows = load_prompts(cfg)  # bad training data: one line naming file and row, before anything is created
     if resume is None:  # a model that names nothing: one line, before a run directory exists
         check_model_name("model.path", cfg.model.path, resolve_model_path(cfg.model.path))
     run = open_run(cfg, out_root, resume)
@@ -461,7 +462,6 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume: Optional[ResumePla
              f"{sum(p.numel() for p in policy.model.parameters()) / 1e6:.1f}M parameters")
     pos = start_or_restore(cfg, run, policy, layer, resume)
     log.start = pos.step
-    rows = load_prompts(cfg)
     use_chat = cfg.model.chat_template == "auto"
     rollout = start_rollout(cfg, hw, policy, resumed=run.ckpt is not None)
     tools = tool_spec(cfg.rollout.tools)
