@@ -346,13 +346,20 @@ def eval_cmd(
                        unsafe_no_sandbox=unsafe_no_sandbox,
                        vllm_kwargs={"tensor_parallel_size": tensor_parallel, "gpu_memory_utilization": gpu_memory_utilization})
     _print_eval({b: r["metrics"] for b, r in results.items()}, f"stare eval: {model} ({grader})", as_json,
-                {b: r["over_seeds"] for b, r in results.items() if "over_seeds" in r})
+                {b: r["over_seeds"] for b, r in results.items() if "over_seeds" in r},
+                {b: r["out"] for b, r in results.items() if "out" in r})
 
 
-def _print_eval(rows: dict, title: str, as_json: bool, spreads: Optional[dict] = None) -> None:
-    spreads = spreads or {}
+def _print_eval(rows: dict, title: str, as_json: bool, spreads: Optional[dict] = None,
+                outs: Optional[dict] = None) -> None:
+    """The evaluation's table (or JSON), and where each benchmark's results and samples went (on stderr,
+    and as `out` in the JSON)."""
+    spreads, outs = spreads or {}, outs or {}
+    for b, where in outs.items():
+        print(f"{b}: results and samples in {where}", file=sys.stderr)
     if as_json:
-        typer.echo(json.dumps({b: {**m, **({"over_seeds": spreads[b]} if b in spreads else {})}
+        typer.echo(json.dumps({b: {**m, **({"over_seeds": spreads[b]} if b in spreads else {}),
+                                   **({"out": outs[b]} if b in outs else {})}
                                for b, m in rows.items()}, indent=2))
         return
     from rich.console import Console

@@ -774,3 +774,15 @@ def test_an_overlong_problem_is_refused_before_any_tokenizer(cli, tmp_path, tiny
     code, _, err = cli(*_eval_args(tiny_model, tmp_path / "ev", data=data))
     assert code == 1 and f"{data}:2" in err and "100,013 characters" in err and "32,768" in err, err
     assert time.time() - t < 10 and not (tmp_path / "ev").exists()
+
+
+def test_eval_says_where_its_results_went_and_names_the_folder_after_a_short_name(cli, tmp_path, monkeypatch):
+    """Issue 44, item 5: `stare eval` never printed its output folder (nor in --json), and the folder was
+    named after the model's absolute cache path."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = cli("eval", "--bench", "toy:arith", "--model", "toy:arith", "--limit", "2", "-n", "1",
+                         "--workers", "0", "--engine", "hf", "--json")
+    assert code == 0, err
+    where = json.loads(out)["toy:arith"]["out"]
+    assert Path(where).parts[:2] == ("evals", "toy-arith"), where  # not evals/work__main__benchmarks__...
+    assert (tmp_path / where / "results.json").exists() and f"toy:arith: results and samples in {where}" in err

@@ -462,6 +462,12 @@ def resolve_model(model: str) -> tuple[str, Optional[Path]]:
     return model, None
 
 
+def _short_names() -> set[str]:
+    from benchmarks.data.models import MODELS
+
+    return set(MODELS)
+
+
 def check_model_path(model: str, path: str) -> None:
     """One line for a --model that names no model (benchmarks/data/models.py: check_model_name)."""
     from benchmarks.data.models import check_model_name
@@ -524,8 +530,10 @@ def run_eval(model: str, benches: list[str], engine_name: str = "auto", n: Optio
     elif unsafe_no_sandbox:
         raise StareError("--unsafe-no-sandbox applies to --tools python", hint="drop it, or add --tools python")
     path, run_dir = resolve_model(model)
-    if out is None:
-        out = (run_dir / "eval" / Path(path).name) if run_dir else Path("evals") / path.strip("/").replace("/", "__")
+    if out is None:  # a short or toy name keeps its own name (evals/smollm2-135m), not its cache path's
+        named = model.startswith("toy:") or model in _short_names()
+        out = (run_dir / "eval" / Path(path).name) if run_dir else Path("evals") / (
+            model.replace(":", "-") if named else path.strip("/").replace("/", "__"))
     # before the model loads: the data (file and line of a bad row), then the model's name, then --out
     # (the last, so that no failed check leaves an empty folder behind)
     data = check_inputs(benches, limit, data_file, out, before_out=lambda: check_model_path(model, path))
@@ -564,6 +572,8 @@ def run_eval(model: str, benches: list[str], engine_name: str = "auto", n: Optio
                     print(f"{b}: avg@{m['n']} {avg:.1f}", file=sys.stderr, flush=True)
     finally:
         grading.close()
+    for b, r in results.items():  # where each benchmark went (the command prints it; not written into the files)
+        results[b] = {**r, "out": str(out / dir_name(b))}
     summary = {"model": path, "out": str(out), "grader": grading.tag,
                "benchmarks": {b: r["metrics"] for b, r in results.items()},
                **({"over_seeds": {b: r["over_seeds"] for b, r in results.items()}} if len(seeds) > 1 else {})}
