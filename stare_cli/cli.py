@@ -29,7 +29,7 @@ _CLICK = (click.exceptions.ClickException, _tce.ClickException)
 
 from stare_cli import __version__
 from stare_cli.core.config import MAX_GROUP, MAX_TOKENS
-from stare_cli.core.errors import Interrupted, StareError, UsageError
+from stare_cli.core.errors import Interrupted, StareError, UsageError, table_console
 
 app = typer.Typer(
     name="stare",
@@ -383,7 +383,7 @@ def _print_eval(rows: dict, title: str, as_json: bool, spreads: Optional[dict] =
     if len(rows) > 1:
         avg = sum(m[f"avg@{m['n']}"] for m in rows.values()) / len(rows)
         t.add_row("average", "", f"{avg:.1f}", *[""] * (len(cols) - 3))
-    Console().print(t)
+    table_console().print(t)
 
 
 @grade_app.command("audit")
@@ -419,7 +419,7 @@ def grade_audit(
     for b, m in res["benchmarks"].items():
         t.add_row(b, str(m["samples"]), *[f"{100 * m['accuracy'][g]:.1f}" for g in res["graders"]],
                   f"{100 * m['disagree']:.1f}%")
-    Console().print(t)
+    table_console().print(t)
 
 
 @grade_app.command("agreement")
@@ -541,7 +541,7 @@ def methods(as_json: JsonOpt = False) -> None:
         t.add_column(col)
     for m in METHODS.values():
         t.add_row(m.name, m.title if m.in_table2 else f"{m.title} (after the paper)", m.reference, m.summary)
-    Console().print(t)
+    table_console().print(t)
 
 
 # --------------------------------------------------------------------------------------- recipes
@@ -566,7 +566,7 @@ def recipes_list(as_json: JsonOpt = False) -> None:
         t.add_column(col)
     for r in rows:
         t.add_row(r["name"], r["model"], r["method"], r["description"])
-    Console().print(t)
+    table_console().print(t)
 
 
 @recipes_app.command("show")

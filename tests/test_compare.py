@@ -388,3 +388,12 @@ def test_a_non_paper_protocol_beside_the_paper_rows_is_marked(cli, tmp_path):
     assert "‡ not the paper's protocol" in md and "N=1" in md and "max=8" in md
     # without the paper's rows there is nothing to mark it against
     assert "‡" not in cli("compare", str(a), "--format", "md")[1]
+
+
+def test_a_piped_table_does_not_cut_names(cli, tmp_path):
+    """Issue 44, item 8: piped tables were cut at rich's assumed 80 columns ('words:add-…')."""
+    name = "a-model-with-a-rather-long-name-that-needs-more-than-eighty-columns-in-total"
+    js = _ev(tmp_path / "a", 50.0, model=name)
+    code, out, err = cli("compare", str(js))  # the default table format; stdout is not a terminal here
+    assert code == 0, err
+    assert name in out and "…" not in out

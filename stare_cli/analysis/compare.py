@@ -23,7 +23,7 @@ import yaml
 
 from benchmarks.data.registry import BENCHMARKS, PAPER_ORDER
 from stare_cli.core.config import dotted_items
-from stare_cli.core.errors import StareError
+from stare_cli.core.errors import StareError, table_console
 from stare_cli.core.runs import read_jsonl
 from stare_cli.analysis.plots import save_figure
 
@@ -630,7 +630,7 @@ def print_rich(rows: list[Row], info: dict, deltas, benches=PAPER_ORDER, with_ci
         cells = [c.strip() for c in ln.strip("|").split("|")]
         cells = [f"[bold]{c[2:-2]}[/bold]" if c.startswith("**") else c for c in cells]
         t.add_row(*cells, style="dim" if r["paper"] else None)
-    c = Console()
+    c = table_console()
     c.print(t)
     for ln in md:
         if ln.startswith(("†", "*", "‡", "No ", "Intervals", "Seed repeated")):

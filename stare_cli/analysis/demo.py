@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from stare_cli.core.errors import StareError
+from stare_cli.core.errors import StareError, table_console
 from stare_cli.core.runs import read_jsonl
 from stare_cli.analysis.sweep import SweepSpec, dynamics_summary, run_sweep
 
@@ -57,7 +57,7 @@ def run_demo(out: Path, steps: Optional[int] = None, seeds: list[int] = (1,), me
             t.add_row(m, acc, f"{x['entropy_start']:.3f}", f"{x['entropy_end']:.3f}",
                       f"[{x['entropy_2nd_half_min']:.3f}, {x['entropy_2nd_half_max']:.3f}]",
                       f"{x['slope_2nd_half_per_100']:+.3f}", f"{100 * x['gate_on_share']:.0f}%")
-        Console().print(t)
+        table_console().print(t)
     if len(seeds) > 1:
         table = seeds_table([{"seed": s, "summary": summ[s]} for s in seeds])
         (out / "seeds.md").write_text(table)

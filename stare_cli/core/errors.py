@@ -46,3 +46,13 @@ DISTRIBUTION = "stare-rl"
 def install_hint(extra: str) -> str:
     """How to install one of our extras, as a working command (not PyPI's unrelated `stare`)."""
     return f"pip install -e '.[{extra}]' in the stare checkout (distribution {DISTRIBUTION}; not on PyPI)"
+
+
+def table_console():
+    """A rich Console for tables: the terminal's width on a terminal; in a pipe or a file, wide enough that
+    no benchmark or method name is cut to 'words:add-…' (rich assumes 80 columns there)."""
+    import sys
+
+    from rich.console import Console
+
+    return Console() if sys.stdout.isatty() else Console(width=240)
