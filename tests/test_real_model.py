@@ -159,3 +159,31 @@ def test_the_lm_eval_bridge_tokenises_the_real_models_prompts_as_the_native_path
     prompts = [build_prompt(r["problem"], "paper", tok, True) for r in rows]
     ours, bridge = _bridge_prompt_ids(str(smollm2), prompts)
     assert ours == bridge and all(len(x) > 20 for x in ours)
+
+
+@pytest.mark.timeout(1200)
+def test_the_readme_eval_line_prints_the_number_beside_it(smollm2, tmp_path):
+    """Issue 44, item 3: the README's real-model eval line evaluated all 128 problems (27.7) where the number
+    beside it was for the first 64. The line is run as written (its --out aside) and must print that number."""
+    import re
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    readme = (REPO / "README.md").read_text()
+    line = next(x for x in readme.splitlines() if x.startswith("stare eval --bench words:add-sub --model smollm2-135m"))
+    cmd, comment = line.split("#", 1)
+    expected = float(re.search(r"avg@2 ([\d.]+)", comment).group(1))
+    r = subprocess.run([sys.executable, "-m", "stare_cli", *cmd.split()[1:], "--out", str(tmp_path / "ev"), "--json",
+                        "--workers", "0"], capture_output=True, text=True, cwd=REPO, timeout=1100,
+                       env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = _json_avg(r.stdout)
+    assert round(got, 1) == expected, (got, expected)
+
+
+def _json_avg(stdout: str) -> float:
+    import json as _json
+
+    return _json.loads(stdout)["words:add-sub"]["avg@2"]
