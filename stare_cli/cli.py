@@ -204,7 +204,7 @@ def train(
         return
     from stare_cli.backends.embedded import train as embedded_train
 
-    run_dir = embedded_train(cfg, out_root=out, resume=plan)
+    run_dir = embedded_train(cfg, out_root=out, resume=plan, overrides=tuple(overrides))
     if (run_dir / "metrics.jsonl").exists():
         try:
             from stare_cli.analysis.plots import plot_run

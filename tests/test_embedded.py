@@ -88,6 +88,10 @@ def test_run_directory_is_complete(cli, tmp_path, quick_toy):
     import shlex
 
     card = (run / "REPRODUCE.md").read_text()
+    # issue 44, item 8: the start records the -o overrides it was given (the card's "Starts and resumes"
+    # said `overrides []` for a run started with -o)
+    start = json.loads((run / "config-history.jsonl").read_text().splitlines()[0])
+    assert start["event"] == "start" and any(o.startswith("model.path=") for o in start["overrides"]), start
     assert "Status: **finished**, step 2 of 2" in card
     assert f"`{meta['git_sha']}`" in card
     assert hashlib.sha256((run / "config.yaml").read_bytes()).hexdigest() in card

@@ -434,7 +434,8 @@ class TrainBatch:
 
 
 # --------------------------------------------------------------------------------------------- train
-def train(cfg: Recipe, out_root: Path | str = "runs", resume: Optional[ResumePlan] = None) -> Path:
+def train(cfg: Recipe, out_root: Path | str = "runs", resume: Optional[ResumePlan] = None,
+          overrides: tuple[str, ...] = ()) -> Path:
     """Train `cfg.method` under `cfg` with the embedded backend (with `resume`, continue that run
     from its newest intact checkpoint, `resume.recipe` being `cfg`). Returns the run directory.
     SIGINT/SIGTERM: the step finishes, a checkpoint is written, and Interrupted is raised."""
@@ -460,7 +461,7 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume: Optional[ResumePla
     policy = load_policy(cfg, hw, run)
     log.note(f"model loaded in {time.perf_counter() - t_load:.0f}s: "
              f"{sum(p.numel() for p in policy.model.parameters()) / 1e6:.1f}M parameters")
-    pos = start_or_restore(cfg, run, policy, layer, resume)
+    pos = start_or_restore(cfg, run, policy, layer, resume, overrides)
     log.start = pos.step
     use_chat = cfg.model.chat_template == "auto"
     rollout = start_rollout(cfg, hw, policy, resumed=run.ckpt is not None)
@@ -654,15 +655,17 @@ def lr_factor(O, step: int) -> float:
     return {"constant": 1.0, "cosine": 0.5 * (1 + math.cos(math.pi * frac)), "linear": 1.0 - frac}[O.schedule]
 
 
-def start_or_restore(cfg: Recipe, run: RunHandle, policy: Policy, layer, resume: Optional[ResumePlan]) -> Position:
-    """Step 0 of a new run (its meta and config recorded), or the resumed checkpoint's state
-    (optimizer, schedule, RNG, controller, data cursor; metrics rows after it dropped)."""
+def start_or_restore(cfg: Recipe, run: RunHandle, policy: Policy, layer, resume: Optional[ResumePlan],
+                     overrides: tuple[str, ...] = ()) -> Position:
+    """Step 0 of a new run (its meta and config recorded, with the -o overrides it was started with), or
+    the resumed checkpoint's state (optimizer, schedule, RNG, controller, data cursor; metrics rows after
+    it dropped)."""
     if run.ckpt is None:
         write_run_meta(run.run_dir, cfg, {"backend": "embedded", "device": str(policy.device),
                                           "model_path": policy.model_path,
                                           "reward_grader": layer.reward_function().grader.tag})
         record_config(run.run_dir, cfg, "restart" if resume is not None else "start", 0,
-                      list(resume.overrides) if resume is not None else [], resume.changed if resume else {})
+                      list(resume.overrides) if resume is not None else list(overrides), resume.changed if resume else {})
         write_card(run.run_dir, "started")
         return Position(0, 0)
     step, cursor = restore_trainer_state(run.ckpt, policy.opt, policy.sched, layer, cfg)
