@@ -59,7 +59,10 @@ def test_the_plan_is_within_15_percent_of_a_measured_toy_run(tmp_path, quick_toy
     assert proc.returncode == 0, output[-2000:]
     run = next(out.iterdir())
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    peak = usage.ru_maxrss * 1024
+    # the peak over the training steps (the trainer's own record, VmHWM), not the process's whole life:
+    # after training, `stare train` draws the run's plot (matplotlib), which the plan does not cover
+    peak = max(r["memory/peak_rss_gib"] for r in rows) * 2**30
+    assert peak <= usage.ru_maxrss * 1024
     from benchmarks.data.prompts import load_prompts
     from benchmarks.generation.engines import load_tokenizer
     from benchmarks.generation.templates import build_prompt

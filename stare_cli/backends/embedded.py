@@ -875,12 +875,30 @@ def _finish_step(run_dir, step, metrics, t_step, t_gen, t_score, t_train, log, w
     """The step's metrics row (time/step: rollout, scoring and training, without the evaluation, which
     `time/eval` gives), the progress line, wandb."""
     metrics.update({"time/generate": t_gen, "time/score": t_score, "time/train": t_train,
-                    "time/step": time.perf_counter() - t_step - t_eval})
+                    "time/step": time.perf_counter() - t_step - t_eval, **peak_memory()})
     row = {"step": step, **metrics}
     append_jsonl(run_dir / "metrics.jsonl", row)
     log.log(step, metrics)
     if wb is not None:
         wb.log(metrics, step=step)
+
+
+def peak_memory() -> dict[str, float]:
+    """The process's peak so far, for the metrics row: `memory/peak_rss_gib` (Linux: VmHWM) and, with CUDA,
+    `memory/cuda_peak_gib` (torch.cuda.max_memory_allocated): what `stare train --dry-run` plans."""
+    out: dict[str, float] = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    out["memory/peak_rss_gib"] = int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["memory/cuda_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return out
 
 
 def evaluations_left(cfg: Recipe, step: int) -> int:
