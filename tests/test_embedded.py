@@ -116,7 +116,7 @@ def test_dynamic_sampling_drops_groups_and_draws_again(cli, tmp_path, quick_toy)
 
 def _rows_without_time(path: Path) -> list[dict]:
     rows = [json.loads(line) for line in path.read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "memory/"))} for r in rows]
 
 
 def test_kill_9_mid_step_then_resume_equals_uninterrupted(cli, tmp_path, quick_toy):
@@ -322,7 +322,7 @@ def test_forward_layouts_leave_the_training_step_unchanged(cli, tmp_path, quick_
         run = _train(cli, tmp_path / b, quick_toy, "stare-o1", "optim.total_steps=1", "method.dynamic_sampling=false",
                      f"backend.embedded.{key}={b}", *batching)
         rows[b] = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
-    keys = [k for k in rows[on] if not k.startswith("time/") and isinstance(rows[on][k], (int, float))]
+    keys = [k for k in rows[on] if not k.startswith(("time/", "memory/")) and isinstance(rows[on][k], (int, float))]
     assert {"entropy", "loss", "grad_norm", "stare/sel_pos", "actor/clip_frac"} <= set(keys)
     torch.testing.assert_close(torch.tensor([rows[on][k] for k in keys], dtype=torch.float32),
                                torch.tensor([rows[off][k] for k in keys], dtype=torch.float32))
