@@ -152,16 +152,9 @@ def _host_arrays(adv: Tensor, log_prob: Tensor, mask: Tensor) -> tuple[np.ndarra
 def _select_host(a: np.ndarray, lp: np.ndarray, m: np.ndarray, P: float, variant: str) -> tuple[np.ndarray, np.ndarray, int]:
     """(L+ positions, L- positions, valid tokens) in NumPy; arguments from _host_arrays."""
     am = a * m  # mask is 0/1: sign(A * mask) is sign(A) on valid tokens and 0 elsewhere
-    n_valid = int(np.count_nonzero(m))
-    if variant != "c2":
-        pos = _top_k_positions_host(lp, np.flatnonzero(am > 0), P)
-        return pos, pos[:0], n_valid
-    # C2: one pass over the call for both sets: the tokens with a nonzero advantage, split by its sign
-    # (ascending positions either way, as _top_k_positions_host expects)
-    nz = np.flatnonzero(am)
-    vals = am.take(nz)
-    pos = _top_k_positions_host(lp, nz[vals > 0], P)
-    neg = _top_k_positions_host(lp, nz[vals < 0], P)  # a NaN advantage is in neither set, as before
+    n_valid = int(np.count_nonzero(m != 0))
+    pos = _top_k_positions_host(lp, (am > 0).nonzero()[0], P)
+    neg = _top_k_positions_host(lp, (am < 0).nonzero()[0], P) if variant == "c2" else pos[:0]
     return pos, neg, n_valid
 
 
