@@ -179,11 +179,5 @@ def test_the_readme_eval_line_prints_the_number_beside_it(smollm2, tmp_path):
                         "--workers", "0"], capture_output=True, text=True, cwd=REPO, timeout=1100,
                        env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-2000:]
-    got = _json_avg(r.stdout)
+    got = json.loads(r.stdout)["words:add-sub"]["avg@2"]
     assert round(got, 1) == expected, (got, expected)
-
-
-def _json_avg(stdout: str) -> float:
-    import json as _json
-
-    return _json.loads(stdout)["words:add-sub"]["avg@2"]

@@ -462,12 +462,6 @@ def resolve_model(model: str) -> tuple[str, Optional[Path]]:
     return model, None
 
 
-def _short_names() -> set[str]:
-    from benchmarks.data.models import MODELS
-
-    return set(MODELS)
-
-
 def check_model_path(model: str, path: str) -> None:
     """One line for a --model that names no model (benchmarks/data/models.py: check_model_name)."""
     from benchmarks.data.models import check_model_name
@@ -531,7 +525,9 @@ def run_eval(model: str, benches: list[str], engine_name: str = "auto", n: Optio
         raise StareError("--unsafe-no-sandbox applies to --tools python", hint="drop it, or add --tools python")
     path, run_dir = resolve_model(model)
     if out is None:  # a short or toy name keeps its own name (evals/smollm2-135m), not its cache path's
-        named = model.startswith("toy:") or model in _short_names()
+        from benchmarks.data.models import MODELS
+
+        named = model.startswith("toy:") or model in MODELS
         out = (run_dir / "eval" / Path(path).name) if run_dir else Path("evals") / (
             model.replace(":", "-") if named else path.strip("/").replace("/", "__"))
     # before the model loads: the data (file and line of a bad row), then the model's name, then --out
