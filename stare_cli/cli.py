@@ -383,7 +383,15 @@ def _print_eval(rows: dict, title: str, as_json: bool, spreads: Optional[dict] =
     if len(rows) > 1:
         avg = sum(m[f"avg@{m['n']}"] for m in rows.values()) / len(rows)
         t.add_row("average", "", f"{avg:.1f}", *[""] * (len(cols) - 3))
+    below = [b for b, m in rows.items() if m[f"maj@{m['n']}"] < m[f"avg@{m['n']}"]]
+    if below:
+        t.caption = MAJ_TIE_NOTE.format(benches=", ".join(below))
     table_console().print(t)
+
+
+MAJ_TIE_NOTE = ("maj@N is below avg@N on {benches}: in a vote the answers that tie for most votes go to the one "
+                "seen first, so a problem whose correct answer ties with a wrong one can count as wrong "
+                "(benchmarks/evaluation/metrics.py).")
 
 
 @grade_app.command("audit")

@@ -230,6 +230,18 @@ def test_rows_of_one_model_under_different_protocols_are_named_apart_and_never_b
     assert "**50.0**" in render(rows, info, "md", {}, ("toy:arith",))
 
 
+def test_a_maj_table_says_how_ties_are_voted():
+    from stare_cli.analysis.compare import Identity, Result, build_rows, render
+
+    res = Result("arith-v1", 0, "s", metrics={"toy:arith": {"n": 2, "avg@2": 50.0, "maj@2": 0.0, "problems": 8}},
+                 protocol={"toy:arith": Identity(2, 1.0, 1.0, "raw", 56, True)})
+    rows, info = build_rows([res], "maj@2", ("toy:arith",))
+    md = render(rows, info, "md", {}, ("toy:arith",))
+    assert "maj@2: the expected majority vote over 2 of the samples; answers that tie for most votes go to the one seen first" in md
+    rows, info = build_rows([res], "avg", ("toy:arith",))
+    assert "tie for most votes" not in render(rows, info, "md", {}, ("toy:arith",))
+
+
 def test_every_pass_at_k_panel_has_its_own_legend(tmp_path, monkeypatch):
     """Issue 30, item 14: the legend was drawn on the first panel only, so a method evaluated on the
     second benchmark only had no legend entry anywhere."""

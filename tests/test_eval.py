@@ -121,6 +121,21 @@ def test_avg_and_maj_hand_made():
     assert majority_correct(["a", "b"], [False, True]) is False  # tie: the first answer seen wins
 
 
+def test_the_eval_table_says_why_maj_is_below_avg(capsys):
+    from stare_cli.cli import _print_eval
+
+    # One problem, 2 samples: answers 3 (wrong) then 4 (right): avg@2 = 50, the 1-1 tie goes to the
+    # first answer seen, so maj@2 = 0 (below avg@2, which the caption explains).
+    m = benchmark_metrics([{"correct": [False, True], "answers": ["3", "4"], "lengths": [5, 5], "finished": [True, True]}])
+    assert m["avg@2"] == pytest.approx(50.0) and m["maj@2"] == pytest.approx(0.0)
+    _print_eval({"words:add-sub": {**m, "problems": 1}}, "t", as_json=False)
+    text = " ".join(capsys.readouterr().out.split())
+    assert "maj@N is below avg@N on words:add-sub: in a vote the answers that tie for most votes go to the one seen first" in text
+    m2 = benchmark_metrics([{"correct": [True, True], "answers": ["4", "4"], "lengths": [5, 5], "finished": [True, True]}])
+    _print_eval({"words:add-sub": {**m2, "problems": 1}}, "t", as_json=False)
+    assert "maj@N is below" not in capsys.readouterr().out  # only where it is
+
+
 # ------------------------------------------------------------------------------- data, templates
 def test_instruction_is_not_doubled():
     row = load_benchmark("amc23", limit=1, data_file=str(FIXTURE_DATA / "amc23.jsonl"))[0]
@@ -401,6 +416,40 @@ def test_other_settings_never_delete_samples_and_write_results_beside(cli, tmp_p
     assert len(results) == 3 and json.loads((out / "math500" / "results.json").read_text())["settings"]["n"] == 1
     assert cli(*_eval_args(tiny_model, out, limit=10, n=2, data=data))[0] == 0  # again: nothing new, nothing lost
     assert len((out / "math500" / "samples.jsonl").read_text().splitlines()) == len(rows)
+
+
+def test_samples_on_disk_are_reused_across_limits_where_the_chunk_is_the_same(cli, tmp_path, tiny_model):
+    """Chunk ci (problems 8ci..8ci+7) is sampled with a seed of ci alone, so an evaluation with another
+    --limit that holds the same whole chunk gives the same samples: they are copied, not generated.
+    A partial last chunk is another batch (4 problems, not 8) and is generated."""
+    data = _many_problems(tmp_path / "p.jsonl", 24)
+    out, fresh = tmp_path / "ev", tmp_path / "fresh"
+    samples = lambda d: [json.loads(x) for x in (d / "math500" / "samples.jsonl").read_text().splitlines()]  # noqa: E731
+    assert cli(*_eval_args(tiny_model, out, limit=16, n=2, data=data))[0] == 0
+    code, _, err = cli(*_eval_args(tiny_model, out, limit=8, n=2, data=data))
+    assert code == 0, err
+    assert "8 problems' samples reused from an evaluation of the same settings with another --limit" in err
+    code, _, err = cli(*_eval_args(tiny_model, out, limit=24, n=2, data=data))
+    assert code == 0 and "16 problems' samples reused" in err, err
+    code, _, err = cli(*_eval_args(tiny_model, out, limit=12, n=2, data=data))
+    assert code == 0 and "8 problems' samples reused" in err, err  # chunk 0 only: 8-11 are a batch of 4 here
+    rows = samples(out)
+    by_key: dict = {}
+    for r in rows:
+        by_key.setdefault(r["key"], []).append(r)
+    assert sorted(len(v) for v in by_key.values()) == [16, 24, 32, 48]
+    reused = [r for r in rows if r.get("reused_from")]
+    assert len(reused) == 16 + 32 + 16
+    # what each reused evaluation would have generated: the same responses and results from scratch
+    for limit in (8, 24, 12):
+        assert cli(*_eval_args(tiny_model, fresh / str(limit), limit=limit, n=2, data=data))[0] == 0
+        mine = {json.loads((out / "math500" / "results" / f).read_text())["settings"]["limit"]: f
+                for f in os.listdir(out / "math500" / "results")}
+        a = json.loads((out / "math500" / "results" / mine[limit]).read_text())
+        b = json.loads((fresh / str(limit) / "math500" / "results.json").read_text())
+        assert a["metrics"] == b["metrics"] and a["key"] == b["key"]
+        strip = lambda rs, key: sorted((r["idx"], r["sample"], r["response"]) for r in rs if r["key"] == key)  # noqa: E731
+        assert strip(rows, a["key"]) == strip(samples(fresh / str(limit)), a["key"])
 
 
 def test_every_generation_setting_enters_the_key_and_tool_less_keys_stay_stable():

@@ -270,9 +270,16 @@ def _evaluate_locked(engine, tokenizer, s: EvalSettings, out_dir: Path, grader: 
     # Keep only whole chunks (a crash may have left part of one).
     chunks = [rows[i: i + CHUNK] for i in range(0, len(rows), CHUNK)]
     complete = {ci for ci, ch in enumerate(chunks) if all((r["idx"], j) in done for r in ch for j in range(s.n))}
+    reused = _chunks_of_other_limits(out_dir, s, chunks, complete, others, tokenizer, use_chat_template, tools)
+    for ci, chunk_rows in reused.items():
+        complete.add(ci)
+        done.update({(r["idx"], r["sample"]): r for r in chunk_rows})
     kept = [done[(r["idx"], j)] for ci in sorted(complete) for r in chunks[ci] for j in range(s.n)]
     atomic_write_text(samples_path, "".join(json.dumps(r) + "\n" for r in [*others, *kept]))
     already = sum(len(chunks[ci]) for ci in complete)
+    if reused:
+        print(f"{s.bench}: {sum(len(chunks[ci]) for ci in reused)} problems' samples reused from an evaluation of "
+              f"the same settings with another --limit", file=sys.stderr, flush=True)
     task = progress.add_task(f"{s.bench}", total=len(rows), completed=already) if progress else None
     show = None
     if progress is not None and progress.console.is_terminal:
@@ -293,6 +300,45 @@ def _evaluate_locked(engine, tokenizer, s: EvalSettings, out_dir: Path, grader: 
         atomic_write_text(samples_path, "".join(json.dumps(r) + "\n" for r in all_rows))
     return write_results(out_dir, s, mine, grader, words, data, time.time() - t0,
                          extra={"evaluation": evaluation} if evaluation else None)
+
+
+def _chunks_of_other_limits(out_dir: Path, s: EvalSettings, chunks: list[list[dict]], complete: set[int],
+                            others: list[dict], tokenizer, use_chat_template: bool, tools) -> dict[int, list[dict]]:
+    """Whole chunks already generated under settings that differ from `s` only in `limit` (and so in the
+    data digest of the problems evaluated): chunk ci's sampling seed depends on ci alone, so a chunk of
+    the same problems (same index, prompt and gold, every sample) under those settings is what this
+    evaluation would generate. Returns {chunk index: its rows under this key, marked `reused_from`}."""
+    if not others:
+        return {}
+    try:
+        settings = _settings_by_key(out_dir)
+    except StareError:
+        return {}
+    mine = {**asdict(s), "limit": None, "data": None}
+    keys = [k for k, (o, _, _) in settings.items() if {**asdict(o), "limit": None, "data": None} == mine
+            and k != s.key()]
+    if not keys:
+        return {}
+    by_key: dict[str, dict[tuple[int, int], dict]] = {}
+    for r in others:
+        if r["key"] in keys:
+            by_key.setdefault(r["key"], {})[(r["idx"], r["sample"])] = r
+    out: dict[int, list[dict]] = {}
+    for ci, chunk in enumerate(chunks):
+        if ci in complete:
+            continue
+        prompts = [build_prompt(r["problem"], s.template, tokenizer, use_chat_template, tools) for r in chunk]
+        for k, have in by_key.items():
+            got = [have.get((r["idx"], j)) for r in chunk for j in range(s.n)]
+            same = all(g is not None and g.get("prompt") == p and g["gold"] == r["answer"]
+                       for g, (r, p) in zip(got, [(r, p) for r, p in zip(chunk, prompts) for _ in range(s.n)]))
+            # the other evaluation's chunk ci (problems ci*CHUNK to (ci+1)*CHUNK - 1; idx is the position)
+            # must hold exactly these problems: the same batch under the same seed
+            theirs = {i for (i, _) in have if ci * CHUNK <= i < (ci + 1) * CHUNK}
+            if same and theirs == {r["idx"] for r in chunk}:
+                out[ci] = [{**g, "key": s.key(), "reused_from": k} for g in got]
+                break
+    return out
 
 
 def _generate_chunks(engine, tokenizer, s: EvalSettings, chunks: list[list[dict]], complete: set[int], key: str,

@@ -587,6 +587,9 @@ def render(rows: list[Row], info: dict, fmt: str, deltas: dict[int, Optional[flo
         notes.append("Intervals: " + "; ".join(kinds[k] for k in info["intervals"]))
     for rep in info.get("replaced", []):
         notes.append(f"Seed repeated: {rep}")
+    if metric.startswith("maj@"):
+        notes.append(f"{metric}: the expected majority vote over {metric[4:]} of the samples; answers that tie for most "
+                     "votes go to the one seen first, so it can be below avg@N (benchmarks/evaluation/metrics.py)")
     if fmt == "md":
         lines = [f"Metric: {mlabel} ({n_txt})", "", "| " + " | ".join(header) + " |",
                  "|" + "|".join(["---"] + [":---:"] * (len(header) - 1)) + "|"]
