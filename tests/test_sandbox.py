@@ -476,11 +476,58 @@ def test_the_uid_pool_folder_of_another_user_or_a_symlinked_lock_is_refused(tmp_
     pool.chmod(0o700)
     o = run_python("print('ran')", L)
     assert victim.read_text() == "precious"
-    assert o.status == "ok" or "Too many levels of symbolic links" in o.text()
+    assert o.status == "ok" or "0.lock cannot be a lock file (Too many levels of symbolic links" in o.text()
     shutil.rmtree(pool)
     os.symlink(victim, pool)  # the folder itself a symlink
     o = run_python("print('ran')", L)
     assert o.status == "error" and "not a directory of ours" in o.text() and victim.read_text() == "precious"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the uid pool is used only when the caller is root")
+def test_the_uid_pool_folder_swapped_after_its_check_never_gets_the_lock_file(tmp_path, monkeypatch):
+    """Issue 47, item 4: the folder was checked with lstat and then opened by path, so another user who
+    can write a non-sticky TMPDIR could swap in a symlink between the two, and root created a lock
+    file in a folder of the attacker's choosing. The swap is made here at the moment the first lock
+    file is opened: the lock file must still land in the folder that was checked."""
+    import tempfile
+
+    from benchmarks.generation import sandbox
+
+    base = tmp_path / "tmp"
+    base.mkdir()
+    base.chmod(0o777)  # world-writable, not sticky
+    attacker = tmp_path / "attacker"
+    attacker.mkdir()
+    attacker.chmod(0o777)
+    monkeypatch.setenv("TMPDIR", str(base))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    pool = base / sandbox.POOL_DIR_NAME
+    real_open, swapped = os.open, []
+
+    def open_with_swap(path, flags, mode=0o777, *, dir_fd=None):
+        if str(path).endswith("0.lock") and not swapped:
+            os.rename(pool, base / "moved-away")
+            os.symlink(attacker, pool)
+            swapped.append(True)
+        return real_open(path, flags, mode, dir_fd=dir_fd)
+
+    monkeypatch.setattr(sandbox.os, "open", open_with_swap)
+    with sandbox._UidSlot() as slot:
+        assert slot.uid is not None
+    assert swapped and list(attacker.iterdir()) == []  # nothing created where the attacker pointed
+    assert (base / "moved-away" / "0.lock").exists()  # the lock went to the folder that was checked
+
+
+def test_a_pool_folder_of_another_user_gets_a_hint_that_is_not_turning_the_sandbox_off(monkeypatch):
+    from benchmarks.generation import sandbox
+    from stare_cli.core.errors import StareError
+
+    monkeypatch.setattr(sandbox, "isolation_problem", lambda python: (
+        "sandbox could not start: /tmp/stare-sandbox-uids belongs to uid 4321 with mode 0o777, not to us with 0700: "
+        "remove it, or set TMPDIR"))
+    with pytest.raises(StareError) as e:
+        sandbox.require_isolation(L)
+    assert "unsafe_no_isolation" not in e.value.hint and "remove that folder" in e.value.hint
 
 
 def test_the_code_is_on_no_command_line_and_large_code_runs():

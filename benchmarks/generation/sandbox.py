@@ -128,22 +128,33 @@ def _pool_base() -> int:
     return top - 2 - POOL_SIZE if top > 65536 else 65534 - 1 - POOL_SIZE
 
 
-def _private_dir(d: Path) -> Path:
-    """`d`, created as a directory of ours (mode 0700), or an OSError naming why it is not: another
-    user's folder, a symlink, or one others can write (who could swap its lock files for symlinks)."""
+def _private_dir_fd(d: Path) -> int:
+    """A descriptor of `d`, created as a directory of ours (mode 0700), or an OSError naming why it is
+    not: another user's folder, a symlink, or one others can write (who could swap its lock files for
+    symlinks). The folder is opened once, never through a symlink, and checked through that
+    descriptor: whoever can write the folder above cannot swap it between the check and the use
+    (files are then opened relative to the descriptor)."""
+    import stat as _stat
+
     try:
         os.mkdir(d, 0o700)
     except FileExistsError:
         pass
-    st = os.lstat(d)
-    import stat as _stat
-
-    if not _stat.S_ISDIR(st.st_mode):
-        raise OSError(f"{d} is not a directory of ours (a symlink or a file): remove it, or set TMPDIR")
-    if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+    try:
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise OSError(f"{d} is not a directory of ours (a symlink or a file): remove it, or set TMPDIR") from None
+        raise
+    st = os.fstat(fd)
+    if not _stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        os.close(fd)
         raise OSError(f"{d} belongs to uid {st.st_uid} with mode {oct(st.st_mode & 0o777)}, not to us with 0700: "
                       "remove it, or set TMPDIR")
-    return d
+    return fd
+
+
+POOL_DIR_NAME = "stare-sandbox-uids"
 
 
 class _UidSlot:
@@ -156,18 +167,28 @@ class _UidSlot:
     def __enter__(self) -> "_UidSlot":
         if os.geteuid() != 0:
             return self
-        d = _private_dir(Path(tempfile.gettempdir()) / "stare-sandbox-uids")
-        for slot in range(POOL_SIZE):
-            # never through a symlink, never truncating: a lock file is only ever created or opened
-            fd = os.open(d / f"{slot}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            f = os.fdopen(fd, "r+")
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                f.close()
-                continue
-            self.uid, self._file = _pool_base() + slot, f
-            return self
+        folder = Path(tempfile.gettempdir()) / POOL_DIR_NAME
+        d = _private_dir_fd(folder)
+        try:
+            for slot in range(POOL_SIZE):
+                # in the folder checked above, never through a symlink, never truncating: a lock file is
+                # only ever created or opened
+                try:
+                    fd = os.open(f"{slot}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                                 dir_fd=d)
+                except OSError as e:
+                    raise OSError(f"{folder / f'{slot}.lock'} cannot be a lock file ({e.strerror}; a symlink is "
+                                  "never followed): remove the folder, or set TMPDIR") from None
+                f = os.fdopen(fd, "r+")
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    f.close()
+                    continue
+                self.uid, self._file = _pool_base() + slot, f
+                return self
+        finally:
+            os.close(d)
         raise OSError(f"all {POOL_SIZE} sandbox uids are in use")
 
     def __exit__(self, *exc) -> None:
@@ -371,7 +392,10 @@ def isolation_problem(python: Optional[str] = None) -> Optional[str]:
                 _PROBLEM[python] = str(e)
                 return _PROBLEM[python]
             o = _run_isolated("print('ok')", Limits(python=python, cpu_s=10, wall_s=30), info)
-            _PROBLEM[python] = None if (o.status, o.output.strip()) == ("ok", "ok") else (o.output.strip() or o.status)
+            problem = None if (o.status, o.output.strip()) == ("ok", "ok") else (o.output.strip() or o.status)
+            if problem and POOL_DIR_NAME in problem:
+                return problem  # the uid pool's folder, not the isolation: not kept (removing the folder fixes it)
+            _PROBLEM[python] = problem
         return _PROBLEM[python]
 
 
@@ -387,6 +411,10 @@ def require_isolation(limits: Limits) -> str:
             _WARNED = True
         return "none"
     problem = isolation_problem(limits.python)
+    if problem and POOL_DIR_NAME in problem:  # the isolation works; its uid pool's folder is not ours
+        raise StareError(f"the tool sandbox cannot start calls ({problem})",
+                         hint="remove that folder (another user may have made it) or set TMPDIR to a folder of "
+                              "your own; the sandbox itself works here")
     if problem:
         namespaces = any(w in problem for w in ("unshare", "uid_map", "gid_map", "setgroups", "Operation not permitted"))
         fix = ("allow unprivileged user namespaces (sysctl user.max_user_namespaces > 0, "

@@ -72,7 +72,9 @@ class ToolsConfig(_Strict):
     max_turns: StrictInt = Field(4, ge=1, le=64, description="Tool calls per response at most.")
     cpu_s: StrictInt = Field(5, ge=1, description="CPU seconds per tool call.")
     wall_s: StrictFloat = Field(10.0, gt=0, description="Wall-clock seconds per tool call.")
-    memory_mb: StrictInt = Field(512, ge=32, description="Address-space limit per tool call.")
+    memory_mb: StrictInt = Field(512, ge=32, description="Memory limit of one tool call in MB: the call as a whole (a memory cgroup, swap "
+                                   "included) where one can be made, as root typically; else each process's address "
+                                   "space (README, sandbox).")
     output_bytes: StrictInt = Field(1024, ge=64, description="Observation size limit (truncated beyond).")
     file_mb: StrictInt = Field(16, ge=1, le=1024, description="Largest file a call may write, and the size of each of "
                                "its private tmpfs (/tmp, HOME, /dev/shm).")
