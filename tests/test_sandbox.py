@@ -530,6 +530,20 @@ def test_a_pool_folder_of_another_user_gets_a_hint_that_is_not_turning_the_sandb
     assert "unsafe_no_isolation" not in e.value.hint and "remove that folder" in e.value.hint
 
 
+def test_a_call_sees_no_host_path_on_pid_1s_command_line_and_no_key_names():
+    """Issue 47, item 7: PID 1's cmdline inside a call named the host interpreter and the launcher's
+    path in the checkout; /proc/keys listed the caller's key names (non-root callers)."""
+    o = run_python("import os\n"
+                   "print(repr(open('/proc/1/cmdline', 'rb').read()))\n"
+                   "print([p for p in ('/proc/keys', '/proc/key-users', '/proc/sys', '/proc/cmdline') if os.path.exists(p)])\n"
+                   "print(open('/proc/self/status').read().count('Cap'))", L)
+    assert o.status == "ok", o.text()
+    cmdline, visible, caps = o.text().splitlines()[:3]
+    assert cmdline[2:].startswith("stare-sandbox\\x00") and str(REPO) not in cmdline, cmdline
+    assert os.path.dirname(sys.executable) not in cmdline and "_sandbox_init.py'" in cmdline  # the name, not a path
+    assert visible == "[]" and int(caps) == 5  # the call's own process folders are there
+
+
 def test_the_code_is_on_no_command_line_and_large_code_runs():
     marker = f"stare-code-marker-{os.getpid()}-{time.time_ns()}"
     seen: list[list[str]] = []

@@ -1,4 +1,5 @@
-"""The tool sandbox's launcher: run as `python -I -S _sandbox_init.py < CONFIG_JSON` (standard library
+"""The tool sandbox's launcher: run as `stare-sandbox -I -S -c BOOTSTRAP < LENGTH SOURCE CONFIG_JSON` (the
+interpreter under a neutral argv[0], this file's source on stdin: sandbox.LAUNCHER_ARGV; standard library
 only, a fresh single-threaded process, as user namespaces require). benchmarks/generation/sandbox.py starts it;
 read that module's docstring for what the sandbox guarantees. Processes:
 
@@ -164,10 +165,18 @@ def _build_root(cfg: dict) -> None:
                          ("stderr", "/proc/self/fd/2")):
         os.symlink(target, f"{root}/dev/{name}")
     os.makedirs(root + "/proc")
-    try:  # a /proc of this PID namespace only: the call's own processes
-        _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, what="proc")
-    except SetupError:
-        pass  # some kernels refuse a new proc here; then there is no /proc at all (no other processes seen)
+    if os.path.exists("/proc/sys/kernel/cap_last_cap"):  # read now: the call's /proc has no /proc/sys
+        with open("/proc/sys/kernel/cap_last_cap") as f:
+            cfg["cap_last_cap"] = int(f.read().strip())
+    # A /proc of this PID namespace only (the call's own processes), and of its process folders only
+    # (subset=pid, Linux 5.8+): no /proc/keys (the caller's key names), /proc/sys, /proc/cmdline of the
+    # host kernel. Older kernels get the whole proc of the namespace.
+    for data in ("subset=pid", None):
+        try:
+            _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, data, what="proc")
+            break
+        except SetupError:
+            continue  # without subset=pid; if refused too, there is no /proc at all (no other processes seen)
     os.makedirs(root + "/.old")
     os.chdir(root)
     call = SYS_PIVOT_ROOT.get(platform.machine())
@@ -190,8 +199,7 @@ def _drop_everything(cfg: dict) -> None:
                             (resource.RLIMIT_NOFILE, 64, 64), (resource.RLIMIT_CORE, 0, 0),
                             (resource.RLIMIT_NPROC, cfg["nproc"], cfg["nproc"])):
         resource.setrlimit(res, (soft, hard))
-    with open("/proc/sys/kernel/cap_last_cap") if os.path.exists("/proc/sys/kernel/cap_last_cap") else open(os.devnull) as f:
-        last = int(f.read().strip() or 40)
+    last = cfg.get("cap_last_cap", 40)  # read before the new /proc (which has no /proc/sys)
     for cap in range(last + 1):
         _prctl(PR_CAPBSET_DROP, cap, "drop capability")
     _prctl(PR_SET_SECUREBITS, SECURE_ALL, "securebits")

@@ -61,6 +61,10 @@ from typing import Optional
 from stare_cli.core.errors import StareError
 
 INIT = Path(__file__).with_name("_sandbox_init.py")
+# The launcher's argv: argv[0] a name, not the interpreter's path; its source arrives on stdin first
+# (a line with its length in bytes, the source, then the configuration JSON).
+LAUNCHER_ARGV = ["stare-sandbox", "-I", "-S", "-c",
+                 "import sys;b=sys.stdin.buffer;n=int(b.readline());exec(compile(b.read(n),'_sandbox_init.py','exec'))"]
 POOL_SIZE = 256  # concurrent calls with a uid of their own (when the caller is root)
 SETUP_FAILED = 125
 
@@ -453,8 +457,12 @@ def _run_isolated(code: str, limits: Limits, info: dict) -> Observation:
             cfg = {"parent": os.getpid(), "host_uid": slot.uid, "python": info["exe"], "ro_paths": info["ro_paths"],
                    "cpu_s": limits.cpu_s, "memory_mb": limits.memory_mb, "file_mb": limits.file_mb,
                    "nproc": limits.nproc, "code": code, "cgroup": str(group.path) if group.path else None}
-            argv = [sys.executable, "-I", "-S", str(INIT)]
-            obs = _supervise(argv, None, limits, "namespaces", None, stdin=json.dumps(cfg).encode())
+            # The launcher's command line is what the call sees as PID 1's (/proc/1/cmdline: the call's
+            # init is a fork of it): a neutral name and a bootstrap that reads the launcher's source from
+            # stdin, so no host path (interpreter, checkout) is on it.
+            source = INIT.read_bytes()
+            obs = _supervise(LAUNCHER_ARGV, None, limits, "namespaces", None, executable=sys.executable,
+                             stdin=b"%d\n" % len(source) + source + json.dumps(cfg).encode())
             peak, oom = group.finish()
             if oom:  # the kernel's OOM killer ended a process of the call (maybe not the first): say why
                 obs = dataclasses.replace(obs, output=obs.output + f"\n[a process was killed at the call's memory "
@@ -486,13 +494,14 @@ def _run_unisolated(code: str, limits: Limits) -> Observation:
 
 
 def _supervise(argv: list[str], preexec, limits: Limits, isolation: str, cwd: Optional[str],
-               env: Optional[dict] = None, stdin: Optional[bytes] = None) -> Observation:
+               env: Optional[dict] = None, stdin: Optional[bytes] = None,
+               executable: Optional[str] = None) -> Observation:
     """Start `argv` in a new session (`stdin`: bytes it reads first, from a pipe, then end of file),
     read its output up to the byte limit, kill its process group at the end or at the wall-clock
     limit, and turn the result into an Observation."""
     t0 = time.monotonic()
     status = "ok"
-    proc = subprocess.Popen(argv, cwd=cwd, env=env if env is not None else {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+    proc = subprocess.Popen(argv, executable=executable, cwd=cwd, env=env if env is not None else {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
                             stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=preexec)
     if stdin is not None:  # from a thread: a large configuration must not block the output loop
