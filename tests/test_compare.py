@@ -276,7 +276,7 @@ def test_every_evaluation_into_one_folder_is_a_row_of_its_own(cli, tmp_path, qui
 
 
 # ------------------------------------------------------------------ issue 43: what a row is
-def _ev(folder: Path, avg: float, *, bench="math500", n=4, seed=0, grader="math-verify@6", sha="a" * 64,
+def _ev(folder: Path, avg: float, *, bench="math500", n=4, seed=0, grader="math-verify@7", sha="a" * 64,
         problems=500, engine="hf", limit=None, paper=True, model="m", temperature=1.0, max_tokens=3072):
     """One `stare eval` results.json with its full identity."""
     d = folder / bench

@@ -33,7 +33,7 @@ def test_the_pool_and_the_cache_agree_with_grading_in_process():
         pooled = g.grade_many([c["response"] for c in CASES], [c["gold"] for c in CASES])
         again = g.grade_many([c["response"] for c in CASES], [c["gold"] for c in CASES])  # from the cache
     assert [v.correct for v in pooled] == [v.correct for v in again] == [c["correct"] for c in CASES]
-    assert all(v.grader == "math-verify@6" for v in pooled)
+    assert all(v.grader == "math-verify@7" for v in pooled)
 
 
 def test_ours_never_loses_a_case_plain_math_verify_gets_right():

@@ -26,7 +26,8 @@ Our grader (`math-verify`):
   it, and a clause after a stated answer (", which ...", " since ...") is cut off. Boxes of the final
   paragraph offered as alternatives ("\\boxed{2} or \\boxed{5}") count only together, as a list (the
   strict reading of a hedge). An inline `$...$` span that is prose without LaTeX (unescaped dollar
-  amounts: "$3 and she pays with $") is not math. "negative 4" is -4.
+  amounts: "$3 and she pays with $") is not math. "negative 4" is -4. Without a number in the final
+  paragraph, "infinitely many" or "no (real) solution(s)" there is the answer (`answer-words`).
   Each verdict records how the answer was found. `boxed_only` (training rewards): the box candidates only.
 - Verification: thousands separators inside numbers are removed (`3\\,159`, `1{,}000`, `1,000`; not
   `0,111`); other commas make a list (`1,3`), which math-verify compares as a set (so `13` is not
@@ -37,6 +38,9 @@ Our grader (`math-verify`):
   `\\boxed{answer}` vs `\\boxed{gold}`, then the same with a trailing percent sign dropped on both
   sides (the Qwen2.5-Math convention, 50\\% = 50). Scientific notation `4.5e33` is rewritten to
   `4.5\\times10^{33}` on both sides (math-verify reads `e` as Euler's number); "pct"/"percent" as `\\%`.
+  Words and sets of one value are one form: "infinitely many" is `\\infty`; `\\varnothing`, `\\{\\}`,
+  "no solution" are `\\emptyset`. When math-verify says no, one or two inequalities on a single-letter
+  variable are compared again as the interval they describe (`-2 < x \\le 3` and `(-2, 3]`: "interval").
 - Time limits: math-verify's own timeouts use signal.alarm and only work on a process's main
   thread; `Grader` runs grading in worker processes (whose main thread does the work) and also
   enforces a hard wall-clock limit per item from the parent, killing the hung worker alone. A
@@ -147,7 +151,7 @@ def last_boxed(text: str) -> Optional[str]:
 def _answer_like(s: str) -> bool:
     """Whether a stated answer looks like one: a digit, math (`$`, `\\`, an operator or bracket), or
     a short token (a choice letter, a variable). "helpful!" in "I hope this answer is helpful!" does not."""
-    return bool(re.search(r"[\d$\\^_=+\-*/()\[\]{}<>]", s)) or len(s) <= 3
+    return bool(re.search(r"[\d$\\^_=+\-*/()\[\]{}<>]", s)) or len(s) <= 3 or _word_value(s) != s
 
 
 def _prose(s: str) -> bool:
@@ -243,6 +247,10 @@ def extract_candidates(response: str, boxed_only: bool = False) -> tuple[list[st
              if "\\" in g or not _prose(g)]
     if maths and maths[-1].strip():
         return [maths[-1].strip()], "inline-math"
+    if not _NUMBER.search(final):  # "There are infinitely many solutions." with no number: the words' value
+        said = _PROSE_VALUE.findall(final)
+        if said:
+            return [_word_value(said[-1])], "answer-words"
     nums = _NUMBER.findall(text)
     if nums:
         last = nums[-1]
@@ -263,7 +271,71 @@ def _normalise(s: str) -> str:
         s = s.strip("$").strip()
     s = _GROUP_SEP.sub("", s)
     s = _PERCENT_WORD.sub(r"\\%", s)
+    s = _word_value(s)
     return _SCI.sub(lambda m: f"{m.group(1)}\\times10^{{{m.group(2)}}}", s)
+
+
+# Words and sets that name one value: "infinitely many" is \infty, every way of writing the empty set
+# (and "no solution") is \emptyset. Matched on a whole candidate, \text{...} unwrapped, case and a
+# final full stop ignored.
+_TEXT_WRAP = re.compile(r"^\\(?:text|textrm|mathrm|textnormal|mbox)\s*\{(.*)\}$", re.DOTALL)
+_INFINITELY_MANY = re.compile(r"^(?:there\s+are\s+)?(?:infinitely\s+many|an?\s+infinite\s+number)(?:\s+\w+)?$"
+                              r"|^infinit[ey]$", re.IGNORECASE)
+_EMPTY_SET = re.compile(r"^(?:\\emptyset|\\varnothing|\\o|∅|\\\{\s*\\\}|\{\s*\}|\\left\\\{\s*\\right\\\}"
+                        r"|(?:there\s+(?:is|are)\s+)?no\s+(?:real\s+|such\s+)?(?:solutions?|roots?|values?))$", re.IGNORECASE)
+
+
+_PROSE_VALUE = re.compile(r"infinitely\s+many|no\s+(?:real\s+)?(?:solutions?|roots?)(?=\W|$)", re.IGNORECASE)
+
+
+def _word_value(s: str) -> str:
+    """`s` as \\infty or \\emptyset when it is one of their word or set forms, else unchanged."""
+    t = s.strip().rstrip(".").strip()
+    m = _TEXT_WRAP.match(t)
+    if m:
+        t = m.group(1).strip().rstrip(".").strip()
+    if _INFINITELY_MANY.match(t):
+        return "\\infty"
+    if _EMPTY_SET.match(t):
+        return "\\emptyset"
+    return s
+
+
+# An interval written as inequalities on one variable: "-2 < x \\le 3" is (-2, 3]; "x \\ge 5" is
+# [5, \\infty); "3 > x > -2" is (-2, 3). Bounds are whatever stands between the relations.
+_LESS = {"<": False, "\\lt": False, "<=": True, "\\le": True, "\\leq": True, "\\leqslant": True, "≤": True}
+_GREATER = {">": False, "\\gt": False, ">=": True, "\\ge": True, "\\geq": True, "\\geqslant": True, "≥": True}
+_REL = re.compile(r"(\\leqslant|\\geqslant|\\leq|\\geq|\\le|\\ge|\\lt|\\gt|<=|>=|<|>|≤|≥)(?![A-Za-z])")
+_VARIABLE = re.compile(r"^[A-Za-z]$")
+
+
+def _interval(s: str) -> str:
+    """`s` in interval notation when it is one or two inequalities on a single-letter variable, else unchanged."""
+    parts = _REL.split(s.strip())
+    if len(parts) not in (3, 5) or "=" in _REL.sub("", s):
+        return s
+    terms, rels = [p.strip() for p in parts[0::2]], parts[1::2]
+    if any(not t for t in terms):
+        return s
+    if len(rels) == 1:
+        (a, b), r = terms, rels[0]
+        if _VARIABLE.match(a) and not _VARIABLE.match(b):  # x < b, x > a
+            lo, hi = (("-\\infty", False), (b, _LESS[r])) if r in _LESS else ((b, _GREATER[r]), ("\\infty", False))
+        elif _VARIABLE.match(b) and not _VARIABLE.match(a):  # a < x, b > x
+            lo, hi = ((a, _LESS[r]), ("\\infty", False)) if r in _LESS else (("-\\infty", False), (a, _GREATER[r]))
+        else:
+            return s
+    else:
+        a, x, b = terms
+        if not _VARIABLE.match(x) or _VARIABLE.match(a) or _VARIABLE.match(b):
+            return s
+        if all(r in _LESS for r in rels):
+            lo, hi = (a, _LESS[rels[0]]), (b, _LESS[rels[1]])
+        elif all(r in _GREATER for r in rels):
+            lo, hi = (b, _GREATER[rels[1]]), (a, _GREATER[rels[0]])
+        else:
+            return s
+    return f"{'[' if lo[1] else '('}{lo[0]}, {hi[0]}{']' if hi[1] else ')'}"
 
 
 def _number(s: str) -> Optional[float]:
@@ -344,6 +416,9 @@ def judge(answer: str, gold: str, timeout: int = 5) -> tuple[bool, str]:
         a2, g2 = _strip_percent(a), _strip_percent(g)
         if (a2, g2) != (a, g) and (a2 == g2 or _math_verify(a2, g2, timeout)):
             return True, "percent"
+        a3, g3 = _interval(a), _interval(g)  # inequalities as intervals, when math-verify's relations differ
+        if (a3, g3) != (a, g) and (a3 == g3 or _math_verify(a3, g3, timeout)):
+            return True, "interval"
         return False, "mismatch"
     except BaseException as e:  # math-verify's TimeoutException derives from BaseException
         if isinstance(e, KeyboardInterrupt):
@@ -455,7 +530,7 @@ class GraderSpec:
 
 
 GRADERS: dict[str, GraderSpec] = {g.name: g for g in [
-    GraderSpec("math-verify", 6, "ours: final box (or a later stated answer, or inline math, or the last number), "
+    GraderSpec("math-verify", 7, "ours: final box (or a later stated answer, or inline math, or the last number), "
                "normalised, then math-verify", key=_candidates_key, judge=grade, quick=_quick),
     GraderSpec("math-verify-plain", 1, "math-verify's defaults on the whole response",
                key=lambda r, b: (r[-MAX_RESPONSE_CHARS:], "whole-response"), judge=_plain_math_verify),
