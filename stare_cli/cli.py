@@ -520,8 +520,14 @@ def compare(
         return
     text = C.render(rows, info, "md" if fmt == Format.table else fmt.value, deltas, cols, ci)
     if out:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text)
+        from stare_cli.core.runs import make_out_dir
+
+        make_out_dir(out.parent, "--out", "name a file in a folder you can write")
+        try:
+            out.write_text(text)
+        except OSError as e:
+            raise StareError(f"--out {out}: cannot write the table ({e.strerror})",
+                              hint="name a file in a folder you can write") from None
         print(f"wrote {out}", file=sys.stderr)
     else:
         typer.echo(text, nl=False)

@@ -387,6 +387,31 @@ def test_a_yaml_alias_bomb_fails_at_once_with_its_line(cli, tmp_path):
     assert code == 0 and "aliases" not in err
 
 
+def test_errors_name_their_cause_not_an_exception_class(cli, tmp_path):
+    """Issue 47, item 6: each of these printed `RecursionError`, `FileExistsError`, `NotADirectoryError`
+    or `KeyError: 'settings'` with the STARE_DEBUG hint instead of what was wrong."""
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("x:\n" + "".join("  " * (i + 1) + "y:\n" for i in range(3000)))
+    code, _, err = cli("recipes", "show", str(deep))
+    assert code == 1 and "deep.yaml: nested too deeply to read" in err and "Error" not in err, err
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    code, _, err = cli("sweep", "--recipe", "tiny/arith", "-m", "grpo", "-s", "1", "--out", str(afile))
+    assert code == 1 and f"--out {afile}/logs: cannot create that folder ({afile} is a file)" in err, err
+    ev = tmp_path / "ev" / "m" / "math500"
+    ev.mkdir(parents=True)
+    (ev / "results.json").write_text(json.dumps({"benchmark": "math500", "metrics": {"n": 1}}))
+    code, _, err = cli("compare", str(tmp_path / "ev"))
+    assert code == 1 and "results.json: not a results file `stare eval` wrote (no settings, protocol)" in err, err
+    (ev / "results.json").write_text(json.dumps({
+        "benchmark": "math500", "metrics": {"n": 1, "avg@1": 50.0, "problems": 1}, "settings": {"model": "m", "seed": 0},
+        "protocol": {"n": 1, "temperature": 1.0, "top_p": 1.0, "template": "paper", "max_tokens": 8}}))
+    code, _, err = cli("compare", str(tmp_path / "ev"), "--format", "md", "--out", str(afile / "t.md"))
+    assert code == 1 and f"cannot create that folder ({afile} is a file)" in err, err
+    code, _, err = cli("compare", str(tmp_path / "ev"), "--format", "md", "--out", str(tmp_path))
+    assert code == 1 and f"--out {tmp_path}: cannot write the table (Is a directory)" in err, err
+
+
 @pytest.mark.parametrize("override, key", [
     ("optim.grad_clip=.inf", "optim.grad_clip"),
     ("optim.weight_decay=.nan", "optim.weight_decay"),
@@ -491,3 +516,7 @@ def test_resuming_a_finished_run_says_so(cli, tmp_path, quick_toy):
     assert (run / "metrics.jsonl").read_text() == before
     code, out, err = cli("train", "--resume", str(run), "-o", "optim.total_steps=2")  # and it can go on
     assert code == 0 and "is finished" not in err and _steps(run) == [1, 2], err
+    # a total below the checkpoint's step names the checkpoint's step (issue 47: it said "at ... (1)")
+    code, out, err = cli("train", "--resume", str(run), "-o", "optim.total_steps=1")
+    assert code == 0 and "its checkpoint is at step 2, past optim.total_steps (1)" in err, err
+    assert "optim.total_steps=N, N > 2" in err

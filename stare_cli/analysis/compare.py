@@ -99,6 +99,20 @@ def _identity(res: dict, step: Optional[int] = None) -> Identity:
                     step=step if step is not None else res.get("step"), paper=p.get("paper_protocol"))
 
 
+RESULTS_KEYS = {"benchmark": (), "metrics": (), "settings": ("model",),
+                "protocol": ("n", "temperature", "top_p", "template", "max_tokens")}
+
+
+def _check_results_file(f: Path, res) -> None:
+    """StareError naming `f` and what it lacks, when it is not a results file `stare eval` wrote."""
+    missing = [k for k in RESULTS_KEYS if not isinstance(res, dict) or k not in res]
+    missing += [f"{k}.{sub}" for k, subs in RESULTS_KEYS.items() if k not in missing for sub in subs
+                if not isinstance(res[k], dict) or sub not in res[k]]
+    if missing:
+        raise StareError(f"{f}: not a results file `stare eval` wrote (no {', '.join(missing)})",
+                         hint="remove it, or run the evaluation again to rewrite it")
+
+
 def _collect_results(folder: Path) -> dict[str, dict]:
     """bench -> results.json found below `folder` (the newest when several)."""
     found: dict[str, tuple[float, dict]] = {}
@@ -108,6 +122,7 @@ def _collect_results(folder: Path) -> dict[str, dict]:
         except (OSError, json.JSONDecodeError) as e:  # never a table silently missing a result
             raise StareError(f"{f}: unreadable results file ({type(e).__name__})",
                              hint="remove it, or run the evaluation again to rewrite it") from None
+        _check_results_file(f, res)
         b = res.get("benchmark")
         if b and (b not in found or f.stat().st_mtime > found[b][0]):
             found[b] = (f.stat().st_mtime, res)

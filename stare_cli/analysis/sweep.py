@@ -39,7 +39,7 @@ from typing import Optional, TextIO
 
 from stare_cli.core.errors import Interrupted, StareError, UsageError
 from stare_cli.analysis.plots import plot_evals_over_training
-from stare_cli.core.runs import atomic_write_text, hold_run_lock, read_jsonl, refuse_run_dir_as_parent, run_finished
+from stare_cli.core.runs import atomic_write_text, hold_run_lock, make_out_dir, read_jsonl, refuse_run_dir_as_parent, run_finished
 
 MANIFEST = "sweep.json"
 
@@ -217,7 +217,7 @@ def run_sweep(spec: SweepSpec, out: Optional[Path] = None, parallel: Optional[in
     parallel = 1 if verl else (parallel or max(1, (os.cpu_count() or 1) // threads))
     out = Path(out) if out is not None else spec.default_dir()
     refuse_run_dir_as_parent(out)  # a sweep folder holds run directories; it is never one
-    (out / "logs").mkdir(parents=True, exist_ok=True)
+    make_out_dir(out / "logs", "--out", "choose a folder you can write, e.g. --out sweeps/mine")
     lock = hold_run_lock(out, "swept")  # the same sweep started twice on one folder: the second refused
     try:
         return _run_sweep_locked(spec, out, parallel, threads, emit_script, shared_dir, paper, stream)

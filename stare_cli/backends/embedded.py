@@ -617,7 +617,7 @@ def finished_already(run: RunHandle, total_steps: int) -> bool:
     optim.total_steps: there is nothing to train, and exiting 0 without a word would look like work."""
     if run.ckpt is None or int(run.ckpt.name[5:]) < total_steps:
         return False
-    print(finished_note(run.run_dir, total_steps) + f" [{run.ckpt.name}]", file=sys.stderr)
+    print(finished_note(run.run_dir, total_steps, int(run.ckpt.name[5:])) + f" [{run.ckpt.name}]", file=sys.stderr)
     run.lock.close()
     return True
 

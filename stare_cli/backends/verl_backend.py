@@ -634,7 +634,7 @@ def run(cfg: Recipe, out_root: Path, dry_run: bool = False, emit_script: Optiona
             if resumed_at >= cfg.optim.total_steps and not (dry_run or emit_script):
                 from stare_cli.core.resume import finished_note
 
-                print(finished_note(run_dir, cfg.optim.total_steps), file=sys.stderr)
+                print(finished_note(run_dir, cfg.optim.total_steps, resumed_at), file=sys.stderr)
                 return run_dir
             data_dir = data_dir or used_data
             rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("step", 0) <= resumed_at]

@@ -204,18 +204,22 @@ def _load_file(path: Path, layered: Layered, stack: tuple[Path, ...]) -> None:
     except UnicodeDecodeError as e:
         line = path.read_bytes()[: e.start].count(b"\n") + 1
         raise StareError(f"{_display(path)}:{line}: not UTF-8 text", hint="save the recipe as UTF-8") from None
-    _check_alias_expansion(text, _display(path))
     try:
-        data = yaml.load(text, Loader=RecipeLoader)  # noqa: S506 - a SafeLoader subclass
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"{_display(path)}:{mark.line + 1}" if mark else _display(path)
-        raise StareError(f"{where}: not valid YAML: {getattr(e, 'problem', e)}") from None
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise StareError(f"{_display(path)}: a recipe must be a mapping of keys, not {type(data).__name__}")
-    lines = _compose_lines(text)
+        _check_alias_expansion(text, _display(path))
+        try:
+            data = yaml.load(text, Loader=RecipeLoader)  # noqa: S506 - a SafeLoader subclass
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f"{_display(path)}:{mark.line + 1}" if mark else _display(path)
+            raise StareError(f"{where}: not valid YAML: {getattr(e, 'problem', e)}") from None
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise StareError(f"{_display(path)}: a recipe must be a mapping of keys, not {type(data).__name__}")
+        lines = _compose_lines(text)
+    except RecursionError:  # the YAML reader recurses once per level of nesting
+        raise StareError(f"{_display(path)}: nested too deeply to read (hundreds of levels; a recipe has a few)",
+                         hint="check the indentation, or remove the generated nesting") from None
     includes = data.pop("include", [])
     if isinstance(includes, str):
         includes = [includes]

@@ -83,10 +83,13 @@ def set_aside(run_dir: Path, names: tuple[str, ...] = ("metrics.jsonl", "train.l
     return dest
 
 
-def finished_note(run_dir: Path, total_steps: int) -> str:
-    """What `--resume` of a run already at optim.total_steps says (both backends): nothing to train."""
-    return (f"note: {run_dir} is finished: its checkpoint is at optim.total_steps ({total_steps}); nothing to "
-            f"train (to go on: --resume it with -o optim.total_steps=N, N > {total_steps}; to start over: --restart)")
+def finished_note(run_dir: Path, total_steps: int, at_step: int) -> str:
+    """What `--resume` of a run whose checkpoint (at `at_step`) is at or past optim.total_steps says (both
+    backends): nothing to train."""
+    where = (f"its checkpoint is at optim.total_steps ({total_steps})" if at_step == total_steps else
+             f"its checkpoint is at step {at_step}, past optim.total_steps ({total_steps})")
+    return (f"note: {run_dir} is finished: {where}; nothing to train (to go on: --resume it with "
+            f"-o optim.total_steps=N, N > {at_step}; to start over: --restart)")
 
 
 def no_checkpoint_error(run_dir: Path, skipped: list[str]) -> StareError:

@@ -51,6 +51,21 @@ def refuse_run_dir_as_parent(root: Path, what: str = "--out") -> None:
                               f"e.g. {what} {root.parent}")
 
 
+def make_out_dir(path: str | Path, what: str, hint: str) -> Path:
+    """Create the folder `path` (and its parents) for `what` (an option, e.g. "--out"), or a StareError
+    naming it and why not: a file in the way, or a folder this user cannot write."""
+    from stare_cli.core.errors import StareError
+
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+        why = f"{blocker} is a file" if blocker is not None else e.strerror
+        raise StareError(f"{what} {path}: cannot create that folder ({why})", hint=hint) from None
+    return path
+
+
 def new_run_dir(recipe: Recipe, root: str | Path = "runs") -> Path:
     """Create a fresh run directory. `mkdir` either creates the directory or fails, so two processes
     starting in the same second never share one: the loser takes the next suffix (-2, -3, ...)."""
