@@ -687,6 +687,10 @@ def test_grade_audit_puts_graders_side_by_side(cli, tmp_path, tiny_model):
     first = next(d for d in dis if d["gold"] == "1024")
     assert first["verdicts"]["math-verify@7"]["correct"] and not first["verdicts"]["mathruler@1"]["correct"]
     assert not any(d["gold"] == "7" for d in dis)
+    with open(samples, "a") as f:  # a last line cut mid-write is named, never skipped silently (issue 47)
+        f.write('{"key": "abc", "idx": 3, "sam')
+    code, _, err = cli("grade", "audit", str(out), "--workers", "0")
+    assert code == 1 and f"samples.jsonl:{len(rows) + 1}: not a JSON object" in err, err
 
 
 def test_grade_audit_works_per_setting_and_takes_the_folder_lock(cli, tmp_path, tiny_model):

@@ -73,6 +73,23 @@ def test_truncated_latest_falls_back_to_the_previous_checkpoint_with_a_warning(c
     assert _rows_without_time(run / "metrics.jsonl") == _rows_without_time(ref / "metrics.jsonl")
 
 
+def test_resume_takes_the_newest_intact_checkpoint_even_when_latest_names_an_older_one(cli, tmp_path, quick_toy):
+    """Issue 47, item 8: a run stopped after step-2 was complete but before `latest` moved resumed from
+    step 1 (what `latest` named), redoing a step it had; the README says the newest intact one."""
+    run = _train(cli, tmp_path, quick_toy, "grpo-ds", "optim.total_steps=2", "checkpoint.every=1",
+                 "checkpoint.keep_last=2", "method.dynamic_sampling=false")
+    latest = run / "checkpoints" / "latest"
+    latest.unlink()
+    latest.symlink_to("step-000001")
+    code, _, err = cli("train", "--resume", str(run), "-o", "optim.total_steps=3")
+    assert code == 0, err
+    assert "checkpoints/latest names step-000001, but step-000002 is newer and intact" in err, err
+    assert _steps(run) == [1, 2, 3]
+    assert json.loads((run / "checkpoints" / "latest" / "state.json").read_text())["step"] == 3
+    log = (run / "train.log").read_text()  # appended to; the resume is marked where it starts
+    assert "resumed from step-000002: the lines below for steps after 2 replace any above" in log
+
+
 def test_a_checkpoint_without_its_manifest_is_not_used(tmp_path):
     from stare_cli.core.runs import checkpoint_problem, usable_checkpoint
 

@@ -544,6 +544,13 @@ def test_a_call_sees_no_host_path_on_pid_1s_command_line_and_no_key_names():
     assert visible == "[]" and int(caps) == 5  # the call's own process folders are there
 
 
+def test_code_with_a_lone_surrogate_is_named_not_a_launcher_traceback():
+    """Issue 47, item 8: a lone surrogate in the code gave the launcher's traceback (with host paths)."""
+    o = run_python('print("a\ud800b")', L)
+    assert o.status == "error" and "not valid text: surrogates not allowed at character 8" in o.output, o
+    assert "Traceback" not in o.output
+
+
 def test_the_code_is_on_no_command_line_and_large_code_runs():
     marker = f"stare-code-marker-{os.getpid()}-{time.time_ns()}"
     seen: list[list[str]] = []
@@ -619,6 +626,15 @@ def test_a_calls_memory_is_limited_as_a_whole(code, held):
     assert o.memory_peak_mb is not None and o.memory_peak_mb <= 256 + 4096 / 2**20, o
     home = sandbox._cgroup_home().path
     assert not list(home.glob(f"stare-call-{os.getpid()}-*")), "the call's cgroup was left behind"
+
+
+@pytest.mark.skipif(_NO_GROUP is not None, reason=f"no memory cgroup can be made here: {_NO_GROUP}")
+def test_a_call_killed_for_memory_after_cpu_s_seconds_is_not_called_a_timeout():
+    """Issue 47, item 8: the OOM killer's SIGKILL after cpu_s seconds of wall time read as a timeout."""
+    lim = Limits(cpu_s=1, wall_s=20, memory_mb=128, file_mb=512, output_bytes=4096)
+    o = run_python("import time\ntime.sleep(1.5)\n" + _MEMFD, lim)
+    assert o.elapsed_s >= lim.cpu_s and "WROTE 400 MB" not in o.output, o
+    assert o.status == "killed" and "killed at the call's memory limit of 128 MB" in o.output, o
 
 
 @pytest.mark.skipif(_NO_GROUP is not None, reason=f"no memory cgroup can be made here: {_NO_GROUP}")

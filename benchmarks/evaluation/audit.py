@@ -44,7 +44,9 @@ def audit(folder: Path, graders: tuple[str, ...] = DEFAULT_GRADERS, workers: Opt
     try:
         for bench_dir in benches:
             with contextlib.closing(hold_run_lock(bench_dir, "evaluated or audited")):
-                rows_all = read_jsonl(bench_dir / "samples.jsonl", strict=True)  # a broken line is named, not skipped
+                # a broken line is named, not skipped: the last one too (an evaluation stopped mid-write,
+                # whose resume rewrites the file; auditing the rest would audit a part of a setting)
+                rows_all = read_jsonl(bench_dir / "samples.jsonl", strict=True, torn_last_ok=False)
                 settings = _settings_by_key(bench_dir)
             by_key: dict[str, dict[tuple, dict]] = {}
             for r in rows_all:  # one row per generated sample of a setting

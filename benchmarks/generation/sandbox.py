@@ -443,6 +443,12 @@ def require_isolation(limits: Limits) -> str:
 # ------------------------------------------------------------------------------------------ run
 def run_python(code: str, limits: Limits = Limits()) -> Observation:
     """Run `code` with `python -I` in a fresh, isolated, limited process; return what it printed."""
+    try:
+        code.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate: no interpreter can read it; say so, not a launcher traceback
+        return Observation(f"the code is not valid text: {e.reason} at character {e.start} "
+                           f"({code[e.start]!r}); nothing was run", -1, "error", 0.0,
+                           "none" if limits.unsafe_no_isolation else "namespaces")
     if limits.unsafe_no_isolation:
         return _run_unisolated(code, limits)
     problem = isolation_problem(limits.python)
@@ -465,8 +471,11 @@ def _run_isolated(code: str, limits: Limits, info: dict) -> Observation:
                              stdin=b"%d\n" % len(source) + source + json.dumps(cfg).encode())
             peak, oom = group.finish()
             if oom:  # the kernel's OOM killer ended a process of the call (maybe not the first): say why
+                # (its SIGKILL after cpu_s seconds read as a timeout before; the cgroup knows better)
                 obs = dataclasses.replace(obs, output=obs.output + f"\n[a process was killed at the call's memory "
-                                          f"limit of {limits.memory_mb} MB]")
+                                          f"limit of {limits.memory_mb} MB]",
+                                          status="killed" if obs.status == "timeout" and obs.exit_code == -9
+                                          else obs.status)
             return dataclasses.replace(obs, memory_peak_mb=peak)
     except OSError as e:
         return Observation(f"sandbox could not start: {e}", -1, "error", 0.0, "namespaces")

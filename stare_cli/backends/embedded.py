@@ -456,6 +456,9 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume: Optional[ResumePla
     log = StepLog(O.total_steps, start_step, run.run_dir / "train.log",
                   evals_left=lambda step: evaluations_left(cfg, step))
     log.note(f"{cfg.method.name} on {cfg.name or 'recipe'}: run directory {run.run_dir}")
+    if run.ckpt is not None:  # train.log is appended to: say where the steps below start again
+        log.note(f"resumed from {run.ckpt.name}: the lines below for steps after {start_step} replace any above "
+                 "(metrics.jsonl holds each step once)")
     log.note(f"loading {cfg.model.path} ({hw.device.type}, fp32 master weights, {O.precision} compute)")
     t_load = time.perf_counter()
     policy = load_policy(cfg, hw, run)
@@ -609,6 +612,10 @@ def open_run(cfg: Recipe, out_root: Path | str, resume: Optional[ResumePlan]) ->
         raise no_checkpoint_error(run_dir, skipped)
     if skipped:
         print(f"warning: resuming from {ckpt.name}", file=sys.stderr)
+    latest = run_dir / "checkpoints" / "latest"
+    if latest.exists() and latest.resolve() != ckpt.resolve():
+        print(f"note: checkpoints/latest names {latest.resolve().name}, but {ckpt.name} is newer and intact (a run "
+              f"stopped before moving latest): resuming from {ckpt.name}", file=sys.stderr)
     return RunHandle(run_dir, lock, ckpt)
 
 

@@ -359,8 +359,10 @@ def checkpoint_steps(run_dir: Path) -> list[Path]:
 
 
 def usable_checkpoint(run_dir: Path) -> tuple[Path | None, list[str]]:
-    """The checkpoint to resume from: what `latest` names when intact, else the newest intact one.
-    Returns it (None when there is none) and the reasons for every newer one skipped."""
+    """The checkpoint to resume from: the newest intact one (a checkpoint appears under its final name
+    only when complete, and `latest` moves after that, so a run killed in between has a newer intact
+    checkpoint than `latest` names). Returns it (None when there is none) and the reasons for every
+    newer one skipped (a dangling `latest` among them)."""
     latest = run_dir / "checkpoints" / "latest"
     skipped: list[str] = []
     candidates = checkpoint_steps(run_dir)
@@ -368,9 +370,6 @@ def usable_checkpoint(run_dir: Path) -> tuple[Path | None, list[str]]:
         target = latest.resolve()
         if not target.exists():
             skipped.append(f"{latest} points to {target.name}, which does not exist")
-        elif target in [c.resolve() for c in candidates]:
-            candidates.remove(next(c for c in candidates if c.resolve() == target))
-            candidates.insert(0, target)
     for c in candidates:
         problem = checkpoint_problem(c)
         if problem is None:
