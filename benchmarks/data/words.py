@@ -54,6 +54,21 @@ def problems(n: int, seed: int) -> list[dict]:
     return [problem(rng) for _ in range(n)]
 
 
+def _buys_gives(name: str, friend: str, item: str, a: int, b: int, c: int) -> tuple[str, int]:
+    return (f"{name} has {a} {item}. {name} buys {b} more {item} and then gives {c} {item} to {friend}. "
+            f"How many {item} does {name} have now?"), a + b - c
+
+
+def _gives_finds(name: str, friend: str, item: str, a: int, b: int, c: int) -> tuple[str, int]:
+    return (f"{name} had {a} {item}. {name} gave {b} {item} to {friend} and then found {c} more. "
+            f"How many {item} does {name} have now?"), a - b + c
+
+
+def _boxes(name: str, item: str, a: int, b: int, c: int) -> tuple[str, int]:
+    return (f"{name} has {a} boxes with {b} {item} in each box and {c} more {item} on the table. "
+            f"How many {item} does {name} have in all?"), a * b + c
+
+
 def multi_step_problem(rng: random.Random) -> dict:
     """One problem of two or three operations {'problem', 'answer'}; every answer is a whole number >= 0."""
     name, friend = rng.sample(NAMES, 2)
@@ -62,20 +77,14 @@ def multi_step_problem(rng: random.Random) -> dict:
     if form == "buys-gives":
         a, b = rng.randint(5, 20), rng.randint(2, 12)
         c = rng.randint(2, min(12, a + b))
-        text = (f"{name} has {a} {item}. {name} buys {b} more {item} and then gives {c} {item} to {friend}. "
-                f"How many {item} does {name} have now?")
-        answer = a + b - c
+        text, answer = _buys_gives(name, friend, item, a, b, c)
     elif form == "gives-finds":
         a = rng.randint(6, 20)
         b, c = rng.randint(2, a - 1), rng.randint(2, 12)
-        text = (f"{name} had {a} {item}. {name} gave {b} {item} to {friend} and then found {c} more. "
-                f"How many {item} does {name} have now?")
-        answer = a - b + c
+        text, answer = _gives_finds(name, friend, item, a, b, c)
     elif form == "boxes":
         a, b, c = rng.randint(2, 5), rng.randint(2, 9), rng.randint(1, 9)
-        text = (f"{name} has {a} boxes with {b} {item} in each box and {c} more {item} on the table. "
-                f"How many {item} does {name} have in all?")
-        answer = a * b + c
+        text, answer = _boxes(name, item, a, b, c)
     elif form == "three":
         a, b, c = rng.randint(3, 15), rng.randint(2, 9), rng.randint(2, 9)
         d = rng.randint(1, min(9, a + b + c - 1))
@@ -99,20 +108,14 @@ def two_step_problem(rng: random.Random) -> dict:
     if form == "buys-gives":
         a, b = rng.randint(2, 9), rng.randint(1, 5)
         c = rng.randint(1, min(5, a + b))
-        text = (f"{name} has {a} {item}. {name} buys {b} more {item} and then gives {c} {item} to {friend}. "
-                f"How many {item} does {name} have now?")
-        answer = a + b - c
+        text, answer = _buys_gives(name, friend, item, a, b, c)
     elif form == "gives-finds":
         a = rng.randint(3, 9)
         b, c = rng.randint(1, a - 1), rng.randint(1, 5)
-        text = (f"{name} had {a} {item}. {name} gave {b} {item} to {friend} and then found {c} more. "
-                f"How many {item} does {name} have now?")
-        answer = a - b + c
+        text, answer = _gives_finds(name, friend, item, a, b, c)
     else:
         a, b, c = rng.randint(2, 3), rng.randint(2, 5), rng.randint(1, 5)
-        text = (f"{name} has {a} boxes with {b} {item} in each box and {c} more {item} on the table. "
-                f"How many {item} does {name} have in all?")
-        answer = a * b + c
+        text, answer = _boxes(name, item, a, b, c)
     return {"problem": text, "answer": str(answer)}
 
 

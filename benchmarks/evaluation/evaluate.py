@@ -330,8 +330,8 @@ def _chunks_of_other_limits(out_dir: Path, s: EvalSettings, chunks: list[list[di
         prompts = [build_prompt(r["problem"], s.template, tokenizer, use_chat_template, tools) for r in chunk]
         for k, have in by_key.items():
             got = [have.get((r["idx"], j)) for r in chunk for j in range(s.n)]
-            same = all(g is not None and g.get("prompt") == p and g["gold"] == r["answer"]
-                       for g, (r, p) in zip(got, [(r, p) for r, p in zip(chunk, prompts) for _ in range(s.n)]))
+            expected = [(p, r["answer"]) for r, p in zip(chunk, prompts) for _ in range(s.n)]
+            same = all(g is not None and (g.get("prompt"), g["gold"]) == e for g, e in zip(got, expected))
             # the other evaluation's chunk ci (problems ci*CHUNK to (ci+1)*CHUNK - 1; idx is the position)
             # must hold exactly these problems: the same batch under the same seed
             theirs = {i for (i, _) in have if ci * CHUNK <= i < (ci + 1) * CHUNK}
