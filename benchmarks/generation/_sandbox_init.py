@@ -9,7 +9,7 @@ read that module's docstring for what the sandbox guarantees. Processes:
         own uid from a pool when H is root, else the caller's uid), then C becomes root *of the
         namespace* and forks
      └─ G  PID 1 of the new PID namespace: builds a new root (read-only binds of the system and the
-           interpreter, private tmpfs for /tmp, HOME, /dev/shm, a new /proc), pivots into it, forks
+           interpreter, private tmpfs for /tmp, HOME, /dev/shm; no /proc), pivots into it, forks
         └─ P  limits (CPU, memory, file size, files, processes), every capability dropped and never
               regained (bounding set, securebits, no_new_privs), a session keyring of its own and a
               seccomp filter that refuses the keyring system calls, then execs the interpreter,
@@ -161,22 +161,14 @@ def _build_root(cfg: dict) -> None:
         _mount(f"/dev/{dev}", f"{root}/dev/{dev}", None, MS_BIND, what=f"bind /dev/{dev}")
     os.makedirs(root + "/dev/shm")
     _mount("tmpfs", root + "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, f"size={mb}m,mode=1777", what="tmpfs /dev/shm")
-    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
-                         ("stderr", "/proc/self/fd/2")):
-        os.symlink(target, f"{root}/dev/{name}")
-    os.makedirs(root + "/proc")
-    if os.path.exists("/proc/sys/kernel/cap_last_cap"):  # read now: the call's /proc has no /proc/sys
+    # No /proc at all: a procfs of the call's own PID namespace still lists, per process, the mount table
+    # (mountinfo: the host's block device, filesystem, bind sources and the tmpfs owner's host uid),
+    # the uid map (the call's host uid), the environment and the memory map. Python, numpy, sympy,
+    # subprocess, threads and multiprocessing need none of it (tests/test_sandbox.py). No /dev/fd or
+    # /dev/std* either: they would point into /proc. cap_last_cap is read now, for _drop_everything.
+    if os.path.exists("/proc/sys/kernel/cap_last_cap"):
         with open("/proc/sys/kernel/cap_last_cap") as f:
             cfg["cap_last_cap"] = int(f.read().strip())
-    # A /proc of this PID namespace only (the call's own processes), and of its process folders only
-    # (subset=pid, Linux 5.8+): no /proc/keys (the caller's key names), /proc/sys, /proc/cmdline of the
-    # host kernel. Older kernels get the whole proc of the namespace.
-    for data in ("subset=pid", None):
-        try:
-            _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, data, what="proc")
-            break
-        except SetupError:
-            continue  # without subset=pid; if refused too, there is no /proc at all (no other processes seen)
     os.makedirs(root + "/.old")
     os.chdir(root)
     call = SYS_PIVOT_ROOT.get(platform.machine())
@@ -199,7 +191,7 @@ def _drop_everything(cfg: dict) -> None:
                             (resource.RLIMIT_NOFILE, 64, 64), (resource.RLIMIT_CORE, 0, 0),
                             (resource.RLIMIT_NPROC, cfg["nproc"], cfg["nproc"])):
         resource.setrlimit(res, (soft, hard))
-    last = cfg.get("cap_last_cap", 40)  # read before the new /proc (which has no /proc/sys)
+    last = cfg.get("cap_last_cap", 40)  # read before the pivot (the call has no /proc)
     for cap in range(last + 1):
         _prctl(PR_CAPBSET_DROP, cap, "drop capability")
     _prctl(PR_SET_SECUREBITS, SECURE_ALL, "securebits")
