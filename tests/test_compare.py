@@ -409,3 +409,20 @@ def test_a_piped_table_does_not_cut_names(cli, tmp_path):
     code, out, err = cli("compare", str(js))  # the default table format; stdout is not a terminal here
     assert code == 0, err
     assert name in out and "…" not in out
+
+
+def test_a_short_runs_plot_has_whole_step_ticks_and_says_it_is_unsmoothed(tmp_path, monkeypatch):
+    """The walk-through of issue 44: a 2-step run's panels were ticked 1.0, 1.2, ..., 2.0."""
+    from stare_cli.analysis import plots
+
+    figs = []
+    monkeypatch.setattr(plots, "save_figure", lambda fig, base: figs.append(fig) or [])
+    rows = [{"step": 0, "eval/words:add-sub/acc": 0.21},
+            {"step": 1, "entropy": 0.516, "reward": 0.281, "eval/words:add-sub/acc": None},
+            {"step": 2, "entropy": 0.458, "reward": 0.25, "eval/words:add-sub/acc": 0.406}]
+    plots.plot_dynamics({"stare-o1": [rows]}, tmp_path / "d", h_tgt=0.45)
+    for ax in figs[0].axes:
+        ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+        assert ticks and all(float(t).is_integer() for t in ticks), (ax.get_title(), ticks)
+    labels = [t.get_text() for t in figs[0].axes[0].get_legend().get_texts()]
+    assert labels == ["stare-o1 (each step, unsmoothed)", "H_tgt = 0.45"]

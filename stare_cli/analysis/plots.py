@@ -53,6 +53,7 @@ def plot_dynamics(runs: dict[str, list[list[dict]]], out_base: Path, h_tgt: Opti
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     panels = list(PANELS)
     if eval_key is None:
@@ -100,6 +101,7 @@ def plot_dynamics(runs: dict[str, list[list[dict]]], out_base: Path, h_tgt: Opti
             ax.set_ylim(0, 1)  # accuracy as a fraction: a few points of difference look like a few points
         ax.set_title(title)
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     return save_figure(fig, out_base)
@@ -123,6 +125,7 @@ def plot_evals_over_training(evaluations: dict[str, dict[str, dict]], out_base: 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, axes = plt.subplots(1, len(series), figsize=(4.4 * len(series), 3.4), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -140,6 +143,7 @@ def plot_evals_over_training(evaluations: dict[str, dict[str, dict]], out_base: 
                                 color=colors[ci % len(colors)], alpha=0.15, linewidth=0)
         ax.set_title(f"{bench} (n={n})")
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
         ax.set_ylabel("%")
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:  # each panel its own: its pass@N differs from the others'
