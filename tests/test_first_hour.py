@@ -1,0 +1,89 @@
+"""Issue 44, a researcher's first hour: a piped run says what it does within seconds, a mistyped model
+fails in one line with a suggestion and leaves no folder behind, and `stare eval --help` gives each
+benchmark's own defaults. (Progress phrases, the closing summary and the run's plot: test_embedded.py;
+the README's eval line: test_real_model.py; samples reused across --limit, the eval folder: test_eval.py.)"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+from conftest import REPO
+from test_embedded import FAST
+
+# The first lines come once Python has started and imported torch; the issue asks for them within
+# 10 seconds. Measured here: 5.1 s while a two-cell sweep held both cores.
+FIRST_LINES_S = 10.0
+
+
+def test_a_piped_run_says_what_it_does_within_10_seconds(tmp_path, quick_toy):
+    """Before: `stare train` printed nothing at all for about 4 minutes when piped to a file."""
+    args = [sys.executable, "-m", "stare_cli", "train", "--recipe", "tiny/arith", "--method", "stare-o1",
+            "--out", str(tmp_path / "runs"), "-o", f"model.path={quick_toy}"]
+    for o in [*FAST, "optim.total_steps=1"]:
+        args += ["-o", o]
+    t0 = time.monotonic()
+    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "80"})
+    seen: list[tuple[float, str]] = []  # (seconds since the start, line), as `stare train ... 2>&1 | tee` shows them
+    assert p.stdout is not None
+    for line in p.stdout:
+        seen.append((time.monotonic() - t0, line.rstrip("\n")))
+    assert p.wait(timeout=300) == 0, "\n".join(x for _, x in seen)
+
+    def first(phrase: str) -> float:
+        return next(t for t, x in seen if phrase in x)
+
+    assert first("run directory") < FIRST_LINES_S and first("loading") < FIRST_LINES_S, seen[:4]
+    # then, in order: the model, each phase of the step, the closing summary
+    order = [first(p) for p in ("run directory", "model loaded in", "step 1/1: rollout", "step 1/1: training on",
+                                "done: 1 steps", "card: ", "plot: ")]
+    assert order == sorted(order), seen
+
+
+def test_a_mistyped_model_is_one_line_with_a_suggestion_and_leaves_nothing(cli, tmp_path, monkeypatch):
+    """Before: `--model smollm2` went to the hub (66 s of retries, then a network error), left an empty
+    evals/smollm2/ that broke a later `stare compare runs/* evals/*`, and in training an empty run folder."""
+    monkeypatch.chdir(tmp_path)
+    for args, start in [(("eval", "--bench", "words:add-sub", "--model", "smollm2", "-n", "1", "--limit", "2"),
+                         "error: --model smollm2: not a local folder, a run directory or a short name"),
+                        (("train", "--recipe", "tiny/arith", "--method", "grpo-ds", "-o", "model.path=smollm2"),
+                         "error: model.path smollm2: not a local folder, a run directory or a short name")]:
+        t0 = time.monotonic()
+        code, out, err = cli(*args)
+        took = time.monotonic() - t0
+        assert code == 1 and err.startswith(start) and len(err.strip().splitlines()) == 1, err
+        assert "did you mean 'smollm2-135m'" in err and "stare model list" in err
+        assert took < 10, took  # no hub: the name has no org/ part
+    assert sorted(os.listdir(tmp_path)) == []  # no evals/smollm2/, no runs/<run>/
+
+
+def test_a_hub_name_that_cannot_be_fetched_is_one_line(cli, tmp_path, monkeypatch):
+    """An org/name that is not on this machine: one line (where the hub cannot be reached, it says so
+    and how to bring a model here; where it can, the hub's own answer), and no folder left behind."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / ".hf"))
+    code, _, err = cli("eval", "--bench", "words:add-sub", "--model", "stare-test/no-such-model", "-n", "1",
+                       "--limit", "2")
+    assert code == 1 and err.startswith("error: --model stare-test/no-such-model") and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "evals").exists()
+
+
+def test_eval_help_gives_each_benchmarks_own_defaults(cli, monkeypatch):
+    """Before: the help said 1.0 / 0.7 / 3072 tokens, where words:add-sub runs 0.6 / 1.0 / 64 and n = 4."""
+    monkeypatch.setenv("COLUMNS", "300")
+    code, out, _ = cli("eval", "--help")
+    assert code == 0
+    text = re.sub(r"\s+", " ", out.replace("│", " "))
+    for expected in ("Samples per problem. Default: the benchmark's own: 32 (aime24, aime25, amc23); 4 (math500, "
+                     "minerva, olympiadbench, words:add-sub,",
+                     "Default: the benchmark's own: 1.0 (aime24, aime25, amc23, math500, minerva, olympiadbench,",
+                     "0.6 (words:add-sub, words:multi-step, words:two-step)",
+                     "Default: the benchmark's own: 0.7 (aime24, aime25, amc23, math500, minerva, olympiadbench); 1.0 (",
+                     "Max new tokens. Default: the benchmark's own: 3072 (aime24, aime25, amc23, math500, minerva, "
+                     "olympiadbench);",
+                     "64 (toy:tool, words:add-sub)"):
+        assert expected in text, expected
