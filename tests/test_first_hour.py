@@ -87,3 +87,37 @@ def test_eval_help_gives_each_benchmarks_own_defaults(cli, monkeypatch):
                      "olympiadbench);",
                      "64 (toy:tool, words:add-sub)"):
         assert expected in text, expected
+
+
+def test_the_eta_counts_the_evaluations_to_come(tmp_path):
+    """Before: after step 1 of the real-model recipe the ETA read 3m24s with 9.5 minutes left: the
+    final evaluation was not counted. Hand-computed: 10 steps, evaluations after steps 5 and 10."""
+    from stare_cli.backends.embedded import StepLog
+
+    log = StepLog(10, 0, tmp_path / "train.log", evals_left=lambda step: (step < 5) + (step < 10))
+    log.log(1, {"time/step": 20.0})
+    # before any evaluation has run: 9 steps x 20 s = 180 s, and the 2 evaluations named, not guessed
+    assert log.eta(1) == "3m00s + 2 evaluations"
+    log.log(5, {"time/step": 40.0, "time/eval": 90.0})  # the step-5 evaluation took 90 s
+    # 5 steps left x mean step 30 s = 150 s, plus 1 evaluation x 90 s = 240 s
+    assert log.eta(5) == "4m00s"
+    log.close()
+    assert (tmp_path / "train.log").read_text().splitlines()[-1].endswith("ETA 4m00s")
+
+
+def test_a_smoothed_line_says_its_window_and_the_raw_values_stay_visible(tmp_path, monkeypatch):
+    """Before: the thick line was a 10-step trailing mean whatever the run's length, and the legend said
+    only 'mean of 2'. Now the window is at most a tenth of the run, named in the legend, with each step
+    drawn thin beside it. Hand-computed: 30 steps -> window 3; entropy 0.5 - 0.01 (step - 1), so the
+    3-step trailing mean at step 30 is the value at step 29, 0.22."""
+    from stare_cli.analysis import plots
+
+    figs = []
+    monkeypatch.setattr(plots, "save_figure", lambda fig, base: figs.append(fig) or [])
+    rows = [{"step": s, "entropy": 0.5 - 0.01 * (s - 1)} for s in range(1, 31)]
+    plots.plot_dynamics({"grpo-ds": [rows]}, tmp_path / "d")
+    ax = figs[0].axes[0]
+    raw, thick = ax.lines[0], ax.lines[1]
+    assert list(raw.get_ydata()) == [r["entropy"] for r in rows]  # every step, unsmoothed
+    assert abs(thick.get_ydata()[-1] - 0.22) < 1e-12 and thick.get_linewidth() > raw.get_linewidth()
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["grpo-ds: 3-step trailing mean; thin: each step"]
