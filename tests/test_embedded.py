@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -67,6 +68,11 @@ def test_run_directory_is_complete(cli, tmp_path, quick_toy):
     assert (run / "checkpoints" / "latest").is_symlink()
     assert (run / "checkpoints" / "latest" / "state.json").exists()
     assert (run / "samples" / "step-000002.jsonl").exists()
+    # issue 44, item 8: the weights were written 0600 (safetensors), every other file 0644
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in ("model.safetensors", "config.json"):
+        assert stat.S_IMODE((run / "checkpoints" / "latest" / f).stat().st_mode) == 0o666 & ~umask, f
     last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     log = (run / "train.log").read_text().splitlines()
     steps = [x for x in log if x.startswith("step ")]
