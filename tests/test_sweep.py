@@ -118,8 +118,16 @@ def test_a_cells_progress_is_read_from_its_log(tmp_path):
 
     (tmp_path / "logs").mkdir()
     assert _cell_progress(tmp_path, "a") == "a starting"
-    (tmp_path / "logs" / "a.log").write_text("$ stare train ...\nloading\n")
+    (tmp_path / "logs" / "a.log").write_text("$ stare train ...\n")
     assert _cell_progress(tmp_path, "a") == "a setting up"
+    # before the first step, the latest line, without its clock (it said 'setting up' for the 8 minutes
+    # of a step-0 evaluation)
+    with open(tmp_path / "logs" / "a.log", "a") as f:
+        f.write("14:09:50 step 0: evaluating words:two-step before training\n")
+    assert _cell_progress(tmp_path, "a") == "a: step 0: evaluating words:two-step before training"
+    with open(tmp_path / "logs" / "a.log", "a") as f:
+        f.write("words:two-step: 16/32 problems in 4m00s, 34729 tokens at 144.7 tok/s, ETA 4m00s\n")
+    assert _cell_progress(tmp_path, "a") == "a: words:two-step: 16/32 problems in 4m00s, 34729 tokens at 144.7 tok/s, ETA 4m00s"
     with open(tmp_path / "logs" / "a.log", "a") as f:
         f.write("step 3/30  reward 0.5  entropy 0.4  time/step 60  0.75 steps/min  ETA 32m10s\n")
         f.write("step 4/30  reward 0.6  entropy 0.4  time/step 60  0.72 steps/min  ETA 31m50s\n")

@@ -28,6 +28,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -266,9 +267,13 @@ class _Running:
 PROGRESS_FIRST_S, PROGRESS_EVERY_S = 10.0, 30.0  # a line on the running cells: first after 10 s, then every 30 s
 
 
+_CLOCK = re.compile(r"^\d\d:\d\d:\d\d ")  # the time a phase line starts with
+
+
 def _cell_progress(out: Path, name: str) -> str:
     """A running cell's latest step line from its log ('grpo-ds-seed1 step 12/30, 0.70 steps/min, ETA
-    3m10s'), or what it is doing before its first step."""
+    3m10s'), or before its first step its latest line ('grpo-ds-seed1: words:two-step: 16/32 problems in
+    4m00s, ..., ETA 4m00s')."""
     try:
         with open(out / "logs" / f"{name}.log", "rb") as f:
             f.seek(0, os.SEEK_END)
@@ -277,8 +282,9 @@ def _cell_progress(out: Path, name: str) -> str:
     except OSError:
         return f"{name} starting"
     step = next((ln for ln in reversed(lines) if ln.startswith("step ")), None)
-    if step is None:
-        return f"{name} setting up"
+    if step is None:  # before its first step: its latest line (loading, the step-0 evaluation's progress)
+        last = next((ln.strip() for ln in reversed(lines) if ln.strip() and not ln.startswith("$ ")), None)
+        return f"{name}: {_CLOCK.sub('', last)[:120]}" if last else f"{name} setting up"
     words = step.split()
     rate = next((f"{words[i - 1]} steps/min" for i, w in enumerate(words) if w == "steps/min"), "")
     eta = next((f"ETA {words[i + 1]}" for i, w in enumerate(words[:-1]) if w == "ETA"), "")
