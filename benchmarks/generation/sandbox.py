@@ -6,8 +6,9 @@ benchmarks/generation/_sandbox_init.py), which gives, per call:
 - its own filesystem view: the system directories (/usr, /lib, ...) and the interpreter's
   installation read-only; private tmpfs for /tmp, HOME (/home/sandbox, the working directory) and
   /dev/shm, of `file_mb` each; a minimal /dev; no /proc (its per-process files would show the mount
-  table with the host's device and bind sources, and the host uid), no /run, /var, /sys, no host home directory, no other calls' files, no host UNIX sockets. Nothing is
-  written on the host, so nothing is left behind when the caller is killed;
+  table with the host's device and bind sources, and the host uid), no /run, /var, /sys, no host home
+  directory, no other calls' files, no host UNIX sockets. Nothing is written on the host, so nothing
+  is left behind when the caller is killed;
 - its own processes: PID 1 of the call's namespace is the launcher; when the code's process exits,
   everything it started (daemons after double fork and setsid included) is killed by the kernel. The
   launcher dies with the caller (parent-death signals down the chain), so killing the trainer kills
