@@ -426,3 +426,13 @@ def test_a_short_runs_plot_has_whole_step_ticks_and_says_it_is_unsmoothed(tmp_pa
         assert ticks and all(float(t).is_integer() for t in ticks), (ax.get_title(), ticks)
     labels = [t.get_text() for t in figs[0].axes[0].get_legend().get_texts()]
     assert labels == ["stare-o1 (each step, unsmoothed)", "H_tgt = 0.45"]
+
+
+def test_a_difference_with_a_field_one_side_lacks_reads_as_a_dash():
+    """The walk-through of issue 44: a run's step-2 evaluation beside the model's own evaluation was
+    explained as 'step 2/None'."""
+    from stare_cli.analysis.compare import Identity, _differences
+
+    run = Identity(2, 0.6, 1.0, "short", 64, True, step=2)
+    model = Identity(2, 0.6, 1.0, "short", 64, True)
+    assert _differences([run, model]) == ["step 2/-"]

@@ -331,7 +331,8 @@ def _dedupe_seeds(rs: list[Result], replaced: list[str]) -> list[Result]:
 
 
 def _differences(ids: list[Identity]) -> list[str]:
-    """The identity fields on which `ids` disagree, as 'field a/b' strings."""
+    """The identity fields on which `ids` disagree, as 'field a/b' strings ('-' for a field one of them
+    lacks: the step of an evaluation that is not a training run's)."""
     out = []
     for i, name in enumerate(_IDENTITY_FIELDS):
         vals = []
@@ -339,7 +340,7 @@ def _differences(ids: list[Identity]) -> list[str]:
             if x[i] not in vals:
                 vals.append(x[i])
         if len(vals) > 1:
-            out.append(f"{name} {'/'.join(str(v) for v in vals)}")
+            out.append(f"{name} {'/'.join('-' if v is None else str(v) for v in vals)}")
     return out
 
 
