@@ -91,7 +91,8 @@ def test_eval_help_gives_each_benchmarks_own_defaults(cli, monkeypatch):
 
 def test_the_eta_counts_the_evaluations_to_come(tmp_path):
     """Before: after step 1 of the real-model recipe the ETA read 3m24s with 9.5 minutes left: the
-    final evaluation was not counted. Hand-computed: 10 steps, evaluations after steps 5 and 10."""
+    final evaluation was not counted. Hand-computed: 10 steps, evaluations after steps 5 and 10. The
+    step's time carries its unit (it read 'time/step 95')."""
     from stare_cli.backends.embedded import StepLog
 
     log = StepLog(10, 0, tmp_path / "train.log", evals_left=lambda step: (step < 5) + (step < 10))
@@ -102,7 +103,8 @@ def test_the_eta_counts_the_evaluations_to_come(tmp_path):
     # 5 steps left x mean step 30 s = 150 s, plus 1 evaluation x 90 s = 240 s
     assert log.eta(5) == "4m00s"
     log.close()
-    assert (tmp_path / "train.log").read_text().splitlines()[-1].endswith("ETA 4m00s")
+    last = (tmp_path / "train.log").read_text().splitlines()[-1]
+    assert last.startswith("step 5/10  time/step 40s  ") and last.endswith("steps/min  ETA 4m00s"), last
 
 
 def test_a_smoothed_line_says_its_window_and_the_raw_values_stay_visible(tmp_path, monkeypatch):

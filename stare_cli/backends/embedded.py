@@ -152,7 +152,7 @@ class StepLog:
         return _clock(left)
 
     def line(self, step: int, m: dict) -> str:
-        desc = "  ".join(f"{k} {m[k]:.3g}" for k in self.KEYS if k in m)
+        desc = "  ".join(f"{k} {m[k]:.3g}" + ("s" if k.startswith("time/") else "") for k in self.KEYS if k in m)
         elapsed = time.time() - self.t0
         rate = (step - self.start) / elapsed if elapsed > 0 else 0.0
         return f"step {step}/{self.total}  {desc}  {60 * rate:.2f} steps/min  ETA {self.eta(step)}"
