@@ -80,7 +80,7 @@ def test_run_directory_is_complete(cli, tmp_path, quick_toy):
     # issue 44: what the run is doing, phase by phase, with the time, then a summary and the plot
     text = "\n".join(log)
     for phrase in ("run directory", "loading", "model loaded in", "step 0: evaluating", "step 1/2: rollout",
-                   "step 1/2: training on", "step 2/2: evaluating", "done: 2 steps", "held-out: step 0:", "card: ",
+                   "step 1/2: training on", "step 2/2: evaluating", "step 2/2: toy:arith avg ", "done: 2 steps", "held-out: step 0:", "card: ",
                    "plot: "):
         assert phrase in text, phrase
     assert (run / "plots" / "dynamics.png").exists() and (run / "eval" / "step-000000").is_dir()

@@ -520,6 +520,7 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume: Optional[ResumePla
                                          run.run_dir, tools))
                 t_eval = time.perf_counter() - t0
                 metrics["time/eval"] = t_eval
+                log.note(f"step {pos.step}/{O.total_steps}: " + _eval_summary(metrics))
             _finish_step(run.run_dir, pos.step, metrics, t_step, ro.t_gen, ro.t_score, t_train, log, wb, t_eval)
             stopping = stop.signum is not None  # SIGINT/SIGTERM during this step: checkpoint, then stop
             if (cfg.checkpoint.every and pos.step % cfg.checkpoint.every == 0) or pos.step == O.total_steps or stopping:
