@@ -436,3 +436,30 @@ def test_a_difference_with_a_field_one_side_lacks_reads_as_a_dash():
     run = Identity(2, 0.6, 1.0, "short", 64, True, step=2)
     model = Identity(2, 0.6, 1.0, "short", 64, True)
     assert _differences([run, model]) == ["step 2/-"]
+
+
+def test_the_compare_dynamics_plot_starts_its_evaluation_panel_at_step_0(tmp_path, monkeypatch):
+    """Issue 44, item 2, seen again in issue 48's interim plot: `stare compare --plot` drew a run's
+    evaluations from its first training-step evaluation (15); the step-0 one lives only under eval/."""
+    from stare_cli.analysis import compare, plots
+    from stare_cli.core.runs import with_eval_points
+
+    run = tmp_path / "run"
+    for step, avg in ((0, 5.3), (15, 12.0)):
+        d = run / "eval" / f"step-{step:06d}" / "words:two-step"
+        d.mkdir(parents=True)
+        (d / "results.json").write_text(json.dumps({"benchmark": "words:two-step",
+                                                    "settings": {"model": f"{run}@step-{step}"},
+                                                    "metrics": {"n": 32, "avg@32": avg, "len/mean": 60.0}}))
+    rows = [{"step": s, "entropy": 0.5} for s in range(1, 16)]
+    rows[-1]["eval/words:two-step/acc"] = 0.12
+    # step 0 comes from eval/ (no metrics row holds it); step 15's row already has its evaluation
+    assert with_eval_points(run, rows)[0] == {"step": 0, "eval/words:two-step/acc": 0.053, "eval/words:two-step/len": 60.0}
+    assert len(with_eval_points(run, rows)) == 16
+    figs = []
+    monkeypatch.setattr(plots, "save_figure", lambda fig, base: figs.append(fig) or [])
+    monkeypatch.setattr(compare, "passk_plot", lambda results, d: [])
+    compare.write_plots([compare.Result("grpo-ds", 1, str(run), metrics={}, metrics_rows=rows)], tmp_path / "p", h_tgt=0.45)
+    panel = figs[0].axes[-1]
+    assert panel.get_title() == "evaluation accuracy (words:two-step)"
+    assert list(panel.lines[0].get_xdata()) == [0, 15] and list(panel.lines[0].get_ydata()) == [0.053, 0.12]

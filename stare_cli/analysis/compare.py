@@ -24,7 +24,7 @@ import yaml
 from benchmarks.data.registry import BENCHMARKS, PAPER_ORDER
 from stare_cli.core.config import dotted_items
 from stare_cli.core.errors import StareError, table_console
-from stare_cli.core.runs import read_jsonl
+from stare_cli.core.runs import read_jsonl, with_eval_points
 from stare_cli.analysis.plots import save_figure
 
 PAPER_MODELS = {
@@ -663,8 +663,8 @@ def write_plots(results: list[Result], plot_dir: Path, h_tgt: Optional[float] = 
 
     runs_with_rows: dict[str, list] = {}
     for r in results:
-        if r.metrics_rows:
-            runs_with_rows.setdefault(_title(r.label), []).append(r.metrics_rows)
+        if r.metrics_rows:  # with the run's step-0 evaluation, which no metrics row holds
+            runs_with_rows.setdefault(_title(r.label), []).append(with_eval_points(Path(r.source), r.metrics_rows))
     made: list[Path] = []
     if runs_with_rows:
         if h_tgt is None:

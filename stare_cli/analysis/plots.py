@@ -158,12 +158,11 @@ def plot_run(run_dir: Path) -> list[Path]:
 
     import yaml
 
-    from stare_cli.core.runs import run_eval_points
+    from stare_cli.core.runs import with_eval_points
 
     run_dir = Path(run_dir)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    trained = {r.get("step") for r in rows}
-    rows = [p for p in run_eval_points(run_dir) if p["step"] not in trained] + rows  # step 0's evaluation
+    rows = with_eval_points(run_dir, rows)  # step 0's evaluation
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
     method = cfg.get("method", {})
     h_tgt = method.get("stare", {}).get("h_tgt") if method.get("name", "").startswith("stare") else None

@@ -151,6 +151,13 @@ def save_pretrained_readable(model, tokenizer, folder: Path) -> None:
             os.chmod(f, 0o666 & ~_UMASK)
 
 
+def with_eval_points(run_dir: Path, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A run's metrics rows preceded by its own evaluations at steps no row has (step 0's, made before
+    any training step): what a dynamics plot draws, so that its evaluation panel starts at step 0."""
+    trained = {r.get("step") for r in rows}
+    return [p for p in run_eval_points(run_dir) if p["step"] not in trained] + rows
+
+
 def run_eval_points(run_dir: Path) -> list[dict[str, Any]]:
     """The run's own evaluations (eval/step-N/<bench>/results.json, written by `stare train`, step 0
     included) as metrics rows, oldest step first: {"step": N, "eval/<bench>/acc": avg@n / 100,
