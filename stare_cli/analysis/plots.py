@@ -26,6 +26,14 @@ def save_figure(fig, out_base: Path) -> list[Path]:
     return paths
 
 
+def _step_axis(ax) -> None:
+    """An x axis of training steps: labelled, ticked at whole steps (a 2-step run read 1.0, 1.2, ...)."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
 def smooth(values: list[float], window: int) -> list[float]:
     """Trailing moving average (window >= 1); the first points average what exists."""
     out, acc = [], 0.0
@@ -53,7 +61,6 @@ def plot_dynamics(runs: dict[str, list[list[dict]]], out_base: Path, h_tgt: Opti
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
 
     panels = list(PANELS)
     if eval_key is None:
@@ -100,8 +107,7 @@ def plot_dynamics(runs: dict[str, list[list[dict]]], out_base: Path, h_tgt: Opti
         if key.startswith("eval/"):
             ax.set_ylim(0, 1)  # accuracy as a fraction: a few points of difference look like a few points
         ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
+        _step_axis(ax)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     return save_figure(fig, out_base)
@@ -125,7 +131,6 @@ def plot_evals_over_training(evaluations: dict[str, dict[str, dict]], out_base: 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
 
     fig, axes = plt.subplots(1, len(series), figsize=(4.4 * len(series), 3.4), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -142,8 +147,7 @@ def plot_evals_over_training(evaluations: dict[str, dict[str, dict]], out_base: 
                 ax.fill_between(px, [m["ci95"][0] for _, m in pts], [m["ci95"][1] for _, m in pts],
                                 color=colors[ci % len(colors)], alpha=0.15, linewidth=0)
         ax.set_title(f"{bench} (n={n})")
-        ax.set_xlabel("step")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
+        _step_axis(ax)
         ax.set_ylabel("%")
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:  # each panel its own: its pass@N differs from the others'
