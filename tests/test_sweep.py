@@ -134,6 +134,23 @@ def test_a_cells_progress_is_read_from_its_log(tmp_path):
     assert _cell_progress(tmp_path, "a") == "a step 4/30, 0.72 steps/min, ETA 31m50s"
 
 
+def test_cells_run_seed_by_seed_and_earlier_cells_keep_their_place(tmp_path):
+    """A sweep stopped part-way should hold whole seeds (every method of seed 1 before any of seed 2):
+    the comparison pairs methods by seed. Cells an earlier command recorded stay in the manifest."""
+    from stare_cli.analysis.sweep import SweepSpec, _load_manifest, _save_manifest
+
+    spec = SweepSpec("tiny/arith", ("grpo-ds", "stare-o1", "kl-cov"), (1, 2))
+    cells = _load_manifest(tmp_path, spec)
+    assert [c.name for c in cells] == ["grpo-ds-seed1", "stare-o1-seed1", "kl-cov-seed1",
+                                       "grpo-ds-seed2", "stare-o1-seed2", "kl-cov-seed2"]
+    cells[0].state = "done"
+    _save_manifest(tmp_path, spec, cells)
+    # the next command asks for seed 3 only: its cells first, the earlier six after them, state kept
+    more = _load_manifest(tmp_path, SweepSpec("tiny/arith", ("grpo-ds", "stare-o1"), (3,)))
+    assert [c.name for c in more][:2] == ["grpo-ds-seed3", "stare-o1-seed3"]
+    assert len(more) == 8 and next(c for c in more if c.name == "grpo-ds-seed1").state == "done"
+
+
 def test_a_sweep_directory_keeps_its_settings(cli, tmp_path, quick_toy):
     out = tmp_path / "s"
     out.mkdir()

@@ -113,7 +113,8 @@ def _load_manifest(out: Path, spec: SweepSpec) -> list[Cell]:
             raise StareError(f"{out} holds a sweep with other settings ({', '.join(diff)})",
                              hint="run it with its own settings (sweep.json), or use another --out")
         old = {(c["method"], c["seed"]): Cell(**c) for c in data.get("cells", [])}
-    cells = [old.pop((m, s), Cell(m, s)) for m in spec.methods for s in spec.seeds]
+    # seed-major: a sweep stopped part-way holds whole seeds (every method), which pair by seed
+    cells = [old.pop((m, s), Cell(m, s)) for s in spec.seeds for m in spec.methods]
     return cells + list(old.values())  # cells of earlier invocations stay in the manifest and the table
 
 
