@@ -463,3 +463,32 @@ def test_the_compare_dynamics_plot_starts_its_evaluation_panel_at_step_0(tmp_pat
     panel = figs[0].axes[-1]
     assert panel.get_title() == "evaluation accuracy (words:two-step)"
     assert list(panel.lines[0].get_xdata()) == [0, 15] and list(panel.lines[0].get_ydata()) == [0.053, 0.12]
+
+
+def test_delta_is_paired_by_seed_with_an_interval_where_both_rows_have_the_same_seeds(cli, tmp_path):
+    """Issue 48 asks for end-of-training differences paired by seed, with intervals."""
+    grpo = [_run_at(tmp_path, "grpo-ds", s, {3: v}) for s, v in ((1, 40.0), (2, 41.0), (3, 45.0))]
+    stare = [_run_at(tmp_path, "stare-o1", s, {3: v}) for s, v in ((1, 42.0), (2, 44.0), (3, 46.0))]
+    js = _json(cli, *grpo, *stare, extra=("--baseline", "grpo-ds"))
+    row = next(r for r in js["rows"] if r["label"] == "STARE-O1")
+    # per-seed differences 2, 3, 1: mean 2.0, sample std 1.0; t(0.975, 2 df) = 4.303, half-width
+    # 4.303 * 1.0 / sqrt(3) = 2.484 -> [-0.48, 4.48]. The mean difference equals the difference of the
+    # means (44.0 - 42.0).
+    assert row["delta_avg"] == pytest.approx(2.0) and row["delta_paired_seeds"] == 3
+    assert row["delta_avg_ci95"] == pytest.approx([2.0 - 4.303 / 3 ** 0.5, 2.0 + 4.303 / 3 ** 0.5], abs=1e-3)
+    base = next(r for r in js["rows"] if r["label"] == "GRPO-ds")
+    assert base["delta_avg"] == 0.0 and "delta_avg_ci95" not in base
+    code, md, err = cli("compare", *map(str, grpo + stare), "--format", "md", "--ci", "--baseline", "grpo-ds")
+    assert code == 0, err
+    assert "| +2.0 [-0.5, +4.5] |" in md.split("| STARE-O1")[1].split("\n")[0]
+    assert "Δ intervals: paired by seed (95% t-interval of the per-seed differences from the baseline): " \
+           "STARE-O1: seeds 1, 2, 3" in md
+    code, csv_text, _ = cli("compare", *map(str, grpo + stare), "--format", "csv", "--ci", "--baseline", "grpo-ds")
+    head, *lines = csv_text.splitlines()
+    stare_line = dict(zip(head.split(","), next(ln for ln in lines if ln.startswith("STARE-O1")).split(",")))
+    assert (stare_line["Δ Avg"], stare_line["Δ Avg CI low"], stare_line["Δ Avg CI high"]) == ("2.0", "-0.5", "4.5")
+    # seeds that differ (STARE-O1 without seed 3): a Δ of the means, no paired interval, and the note says why
+    code, md, _ = cli("compare", *map(str, grpo + stare[:2]), "--format", "md", "--ci", "--baseline", "grpo-ds")
+    line = md.split("| STARE-O1")[1].split("\n")[0]
+    assert "| +1.0 |" in line  # (42 + 44) / 2 - (40 + 41 + 45) / 3 = 43.0 - 42.0
+    assert "No Δ interval where the two rows have different seeds: STARE-O1 (seeds 1, 2; GRPO-ds: seeds 1, 2, 3)" in md

@@ -307,6 +307,18 @@ class Row:
     identity: dict[str, Identity] = field(default_factory=dict)  # bench -> what the row's cells measured
     step: str = ""  # the training step of a run's evaluation ("" for evaluation folders)
     not_paper: str = ""  # benchmarks evaluated under another protocol than the paper's, and how
+    seed_avgs: dict[int, float] = field(default_factory=dict)  # seed -> its average over the benchmarks
+
+
+class Delta(NamedTuple):
+    """A row's Δ Avg against the baseline row: the difference of the two means, and where both rows have
+    the same two or more seeds, an interval of the difference paired by seed (seed_interval over the
+    per-seed differences)."""
+
+    value: float
+    ci: Optional[tuple[float, float]] = None
+    pairs: int = 0  # seeds paired
+    kind: str = ""  # seed_interval's kind: "t95" or "range"
 
 
 def columns(results: list[Result], with_paper: bool) -> tuple[str, ...]:
@@ -405,12 +417,14 @@ def build_rows(results: list[Result], metric: str = "avg", benches: tuple[str, .
             elif problem_ci:  # one seed: over problems (from results.json)
                 ci[b] = tuple(problem_ci)
                 kinds.add("problems")
-        per_seed_avgs = []
+        per_seed_avgs, seed_avgs = [], {}
         for r in rs:
             vs = [r.metrics[b][metric_key(metric, r.metrics[b]["n"])] for b in benches if b in r.metrics
                   and metric_key(metric, r.metrics[b]["n"]) in r.metrics[b]]
             if len(vs) == len(benches):
                 per_seed_avgs.append(sum(vs) / len(vs))
+                if r.seed is not None:
+                    seed_avgs[int(r.seed)] = per_seed_avgs[-1]
         avg = (statistics.fmean(per_seed_avgs), statistics.stdev(per_seed_avgs) if len(per_seed_avgs) > 1 else 0.0,
                len(per_seed_avgs)) if per_seed_avgs else None
         proto = {b: p for r in rs for b, p in r.protocol.items()}
@@ -425,7 +439,8 @@ def build_rows(results: list[Result], metric: str = "avg", benches: tuple[str, .
         steps = sorted({p.step for p in proto.values() if p.step is not None})
         not_paper = [f"{b}: {_describe(p)}" for b, p in proto.items() if p.paper is False]
         rows.append(Row(names[(label, conf)], cells, avg, ci=ci, flagged=flagged or lim, note=note,
-                        identity=proto, step="/".join(map(str, steps)), not_paper="; ".join(not_paper)))
+                        identity=proto, step="/".join(map(str, steps)), not_paper="; ".join(not_paper),
+                        seed_avgs=seed_avgs))
     ns = sorted({r.metrics[b]["n"] for rs in groups.values() for r in rs for b in r.metrics})
     return rows, {"metric": metric, "ns": ns, "mixed": sorted(mixed), "why": why, "replaced": replaced,
                   "intervals": sorted(kinds)}
@@ -488,10 +503,14 @@ def _title(label: str) -> str:
     return (METHODS[name].title if name in METHODS else name) + (sep + rest if sep else "")
 
 
-def add_delta(rows: list[Row], baseline: Optional[str], info: Optional[dict] = None) -> dict[int, Optional[float]]:
-    """Average delta of each row against the baseline method's row (ours first, else the paper's). No delta
-    for a row of ours whose evaluations differ from the baseline row's in anything but the method (step,
-    grader, data, protocol, ...): `info["no_delta"]` says which and why."""
+def add_delta(rows: list[Row], baseline: Optional[str], info: Optional[dict] = None) -> dict[int, Optional[Delta]]:
+    """Average delta of each row against the baseline method's row (ours first, else the paper's), with an
+    interval paired by seed where both rows have the same two or more seeds (Delta). No delta for a row of
+    ours whose evaluations differ from the baseline row's in anything but the method (step, grader, data,
+    protocol, ...): `info["no_delta"]` says which and why; `info["paired"]` / `info["unpaired"]` which
+    rows have a paired interval and which not (their seeds differ)."""
+    from benchmarks.evaluation.metrics import seed_interval
+
     if not baseline:
         return {}
     title = _title(baseline)
@@ -500,14 +519,30 @@ def add_delta(rows: list[Row], baseline: Optional[str], info: Optional[dict] = N
     if base is None or base.avg is None:
         raise StareError(f"compare: no row for baseline '{baseline}' with all benchmarks",
                          hint="name a method present in the inputs or the paper rows")
-    out: dict[int, Optional[float]] = {}
+    out: dict[int, Optional[Delta]] = {}
     for i, r in enumerate(rows):
         diff = [] if (r.paper or base.paper or r is base) else [
             f"{b}: {', '.join(_differences([base.identity[b], r.identity[b]]))}"
             for b in base.identity if b in r.identity and base.identity[b] != r.identity[b]]
         if diff and info is not None:
             info.setdefault("no_delta", []).append(f"{_title(r.label)} (vs {_title(base.label)}: {'; '.join(diff)})")
-        out[i] = (r.avg[0] - base.avg[0]) if r.avg and not diff else None
+        if not r.avg or diff:
+            out[i] = None
+            continue
+        seeds = sorted(r.seed_avgs)
+        paired = (r is not base and len(seeds) >= 2 and seeds == sorted(base.seed_avgs)
+                  and len(seeds) == r.avg[2] == base.avg[2])  # every result of both rows has its seed
+        if not paired:
+            out[i] = Delta(r.avg[0] - base.avg[0])
+            if r is not base and not base.paper and info is not None and len(seeds) >= 2:
+                info.setdefault("unpaired", []).append(
+                    f"{_title(r.label)} (seeds {', '.join(map(str, seeds))}; {_title(base.label)}: seeds "
+                    f"{', '.join(map(str, sorted(base.seed_avgs))) or 'none'})")
+            continue
+        lo, hi, kind = seed_interval([r.seed_avgs[k] - base.seed_avgs[k] for k in seeds])
+        out[i] = Delta(r.avg[0] - base.avg[0], (lo, hi), len(seeds), kind)
+        if info is not None:
+            info.setdefault("paired", []).append(f"{_title(r.label)}: seeds {', '.join(map(str, seeds))}")
     return out
 
 
@@ -519,7 +554,7 @@ def _fmt(cell: Optional[tuple[float, float, int]], with_std: bool, ci: Optional[
     return f"{txt} [{ci[0]:.1f}, {ci[1]:.1f}]" if ci else txt
 
 
-def render(rows: list[Row], info: dict, fmt: str, deltas: dict[int, Optional[float]],
+def render(rows: list[Row], info: dict, fmt: str, deltas: dict[int, Optional[Delta]],
            benches: tuple[str, ...] = PAPER_ORDER, with_ci: bool = False) -> str:
     metric = info["metric"]
     ns = info["ns"]
@@ -564,23 +599,31 @@ def render(rows: list[Row], info: dict, fmt: str, deltas: dict[int, Optional[flo
                                     {**dict(zip(("mean", "std", "seeds"), (r.avg if b == "avg" else r.cells[b]))),
                                      **({"ci95": list(r.ci[b])} if b in r.ci else {})})
                                 for b in [*benches, "avg"]},
-                      "delta_avg": d} for lab, _, d, _, r in body],
+                      "delta_avg": None if d is None else d.value,
+                      **({"delta_avg_ci95": list(d.ci), "delta_paired_seeds": d.pairs}
+                         if d is not None and d.ci else {})} for lab, _, d, _, r in body],
         }, indent=2)
-    dtxt = lambda d: "–" if d is None else f"{d:+.1f}"  # noqa: E731
+    def dtxt(d: Optional[Delta]) -> str:
+        if d is None:
+            return "–"
+        return f"{d.value:+.1f}" + (f" [{d.ci[0]:+.1f}, {d.ci[1]:+.1f}]" if with_ci and d.ci else "")
+
     if fmt == "csv":  # numbers only: empty cells where there is none, marks in the notes column
         buf = io.StringIO()
         w = csv.writer(buf, lineterminator="\n")
         cols = [*benches, "avg"]
         ci_head = [f"{h} CI{e}" for b, h in zip(cols, header[1:len(cols) + 1]) for e in (" low", " high")] if with_ci else []
+        ci_head += ["Δ Avg CI low", "Δ Avg CI high"] if with_ci and deltas else []
         w.writerow([*header, *ci_head, "notes"])
         for lab, _, d, seeds, r in body:
             vals = [(r.avg if b == "avg" else r.cells.get(b)) for b in cols]
             nums = ["" if v is None else f"{v[0]:.1f}" for v in vals]
             cis = [("" if b not in r.ci else f"{r.ci[b][i]:.1f}") for b in cols for i in (0, 1)] if with_ci else []
+            cis += ["" if d is None or not d.ci else f"{d.ci[i]:.1f}" for i in (0, 1)] if with_ci and deltas else []
             note = "; ".join(x for x in ["from prior work (not run under the paper's recipe)" if r.prior else "",
                                          f"different or reduced protocol: {r.note}" if r.flagged else ""] if x)
             name = _title(r.label) if not r.paper else r.label
-            w.writerow([name, *nums, *(["" if d is None else f"{d:.1f}"] if deltas else []),
+            w.writerow([name, *nums, *(["" if d is None else f"{d.value:.1f}"] if deltas else []),
                         *([x.replace("–", "") for x in seeds.split(" | ")] if with_step else [seeds]), *cis, note])
         return buf.getvalue()
     notes = []
@@ -597,6 +640,13 @@ def render(rows: list[Row], info: dict, fmt: str, deltas: dict[int, Optional[flo
                      + "; ".join(info["why"]))
     if info.get("no_delta"):
         notes.append("No Δ for " + "; ".join(info["no_delta"]))
+    if with_ci and info.get("paired"):
+        kinds = sorted({d.kind for d in deltas.values() if d is not None and d.ci}) if deltas else []
+        what = {"t95": "95% t-interval", "range": "min-max range"}
+        notes.append("Δ intervals: paired by seed (" + " / ".join(what[k] for k in kinds) + " of the per-seed "
+                     "differences from the baseline): " + "; ".join(info["paired"]))
+    if with_ci and info.get("unpaired"):
+        notes.append("No Δ interval where the two rows have different seeds: " + "; ".join(info["unpaired"]))
     if with_ci and info.get("intervals"):
         kinds = {"t95": "95% t-interval over 3+ seeds", "range": "min-max range of 2 seeds",
                  "problems": "one seed: 95% bootstrap over problems"}
@@ -652,7 +702,7 @@ def print_rich(rows: list[Row], info: dict, deltas, benches=PAPER_ORDER, with_ci
     c = table_console()
     c.print(t)
     for ln in md:
-        if ln.startswith(("†", "*", "‡", "No ", "Intervals", "Seed repeated")):
+        if ln.startswith(("†", "*", "‡", "No ", "Intervals", "Δ intervals", "Seed repeated")):
             c.print(ln, markup=False)
 
 
