@@ -253,6 +253,32 @@ def test_a_cell_that_prints_more_than_a_pipe_holds_still_finishes(tmp_path, monk
     assert cells[0].state == "done" and cells[0].exit_code == 0 and cells[0].run_dir == "/runs/the-run-dir"
 
 
+def test_evaluations_are_paired_by_seed_against_the_first_method(tmp_path):
+    """Issue 48: held-out results at each step, each method minus the baseline, paired by seed."""
+    from stare_cli.analysis.sweep import _run_evaluations, paired_differences, report_markdown
+
+    def run(name: str, step_values: dict[int, float]) -> Path:
+        for step, v in step_values.items():
+            _setting(tmp_path / name / "eval" / f"step-{step:06d}" / "toy-arith", "aaaa", 4, 8, v)
+        return tmp_path / name
+
+    base = {1: run("g1", {0: 10.0, 6: 30.0}), 2: run("g2", {0: 12.0, 6: 34.0}), 3: run("g3", {0: 11.0, 6: 38.0})}
+    # seed 3 of the method has no step-6 evaluation: step 6 pairs seeds 1 and 2 only
+    meth = {1: run("s1", {0: 10.0, 6: 33.0}), 2: run("s2", {0: 12.0, 6: 40.0}), 3: run("s3", {0: 11.0})}
+    d = paired_differences({k: _run_evaluations(v) for k, v in meth.items()},
+                           {k: _run_evaluations(v) for k, v in base.items()})
+    # step 0: differences 0, 0, 0 -> mean 0, t-interval of zero width
+    assert d["toy:arith n=4 step=0"]["avg@4"] == {"mean": 0.0, "ci95": [0.0, 0.0], "kind": "t95", "seeds": [1, 2, 3]}
+    # step 6: 33 - 30 = 3 and 40 - 34 = 6 -> mean 4.5, two seeds: their range [3, 6]
+    assert d["toy:arith n=4 step=6"]["pass@1"] == {"mean": 4.5, "ci95": [3.0, 6.0], "kind": "range", "seeds": [1, 2]}
+    report = report_markdown({"settings": {"recipe": "r"}, "baseline": "grpo-ds",
+                              "methods": {"grpo-ds": {"seeds": {}, "over_seeds": {}, "evaluations": {}},
+                                          "stare-o1": {"seeds": {}, "over_seeds": {}, "evaluations": {},
+                                                       "paired_vs_baseline": d}}})
+    assert "## Paired by seed: stare-o1 minus grpo-ds" in report
+    assert "| toy:arith n=4 step=6 | 1, 2 | +4.5 [+3.0, +6.0] | +4.5 [+3.0, +6.0] |" in report
+
+
 def test_summary_carries_each_methods_own_numbers():
     """STAPO's silenced share and the covariance kernel's mean weight are averaged over the steps that
     logged them; methods that never log them have no such key, and the report shows "–" there."""

@@ -501,10 +501,14 @@ def _report(spec: SweepSpec, out: Path, done: list[Cell], paper: Optional[str]) 
     for c in done:
         s = dynamics_summary(read_jsonl(Path(c.run_dir) / "metrics.jsonl"), h_tgt)
         per_method.setdefault(c.method, {"seeds": {}})["seeds"][c.seed] = s
+    per_seed_evals = {m: {c.seed: _run_evaluations(Path(c.run_dir)) for c in done if c.method == m} for m in per_method}
+    baseline = next((m for m in spec.methods if m in per_method), None)
     for m, d in per_method.items():
         d["over_seeds"] = seeds_summary(list(d["seeds"].values()))
         d["evaluations"] = eval_summary([Path(c.run_dir) for c in done if c.method == m])
-    summary = {"settings": spec.settings(), "methods": per_method}
+        if m != baseline:
+            d["paired_vs_baseline"] = paired_differences(per_seed_evals[m], per_seed_evals[baseline])
+    summary = {"settings": spec.settings(), "baseline": baseline, "methods": per_method}
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
     atomic_write_text(out / "report.md", report_markdown(summary))
     plots += [str(p) for p in plot_evals_over_training(
@@ -516,24 +520,52 @@ def eval_summary(runs: list[Path]) -> dict:
     """Evaluation metrics of a method's runs (seeds), per benchmark and protocol: every results.json
     under run/eval (the in-training ones per step, and final ones such as `--eval`), each metric's
     mean, std and 95% interval over seeds. Keys: '<bench> n=<N> step=<S>'."""
-    from benchmarks.evaluation.evaluate import latest_grader_results
-
     per: dict[str, list[dict]] = {}
     for run in runs:
-        mine: dict[str, dict] = {}  # one entry per key and run (the newest, should settings differ only in limit)
-        for latest in sorted((run / "eval").rglob("results.json")):
-            step = next((x.name.split("-")[1].lstrip("0") or "0" for x in latest.parents if x.name.startswith("step-")), "?")
-            for res in latest_grader_results(latest.parent):
-                key = f"{res['benchmark']} n={res['metrics']['n']} step={step}"
-                mine[key] = {k: v for k, v in res["metrics"].items() if k.startswith(("avg@", "pass@", "maj@"))}
-        for key, metrics in mine.items():
+        for key, metrics in _run_evaluations(run).items():
             per.setdefault(key, []).append(metrics)
+    return {k: seeds_summary(per[k]) for k in sorted(per, key=_eval_order)}
 
-    def order(key: str) -> tuple:
-        bench, n, step = key.split()
-        return bench, int(n[2:]), int(step[5:]) if step[5:].isdigit() else 1 << 30
 
-    return {k: seeds_summary(per[k]) for k in sorted(per, key=order)}
+def _run_evaluations(run: Path) -> dict[str, dict]:
+    """One run's evaluation metrics (avg@, pass@, maj@) by key '<bench> n=<N> step=<S>': one entry per key
+    (the newest, should settings differ only in limit)."""
+    from benchmarks.evaluation.evaluate import latest_grader_results
+
+    mine: dict[str, dict] = {}
+    for latest in sorted((run / "eval").rglob("results.json")):
+        step = next((x.name.split("-")[1].lstrip("0") or "0" for x in latest.parents if x.name.startswith("step-")), "?")
+        for res in latest_grader_results(latest.parent):
+            key = f"{res['benchmark']} n={res['metrics']['n']} step={step}"
+            mine[key] = {k: v for k, v in res["metrics"].items() if k.startswith(("avg@", "pass@", "maj@"))}
+    return mine
+
+
+def _eval_order(key: str) -> tuple:
+    bench, n, step = key.split()
+    return bench, int(n[2:]), int(step[5:]) if step[5:].isdigit() else 1 << 30
+
+
+def paired_differences(method: dict[int, dict[str, dict]], baseline: dict[int, dict[str, dict]]) -> dict:
+    """Per evaluation key and metric, the method's value minus the baseline's, paired by seed, over the
+    seeds that have the key in both (two or more): {key: {metric: {"mean", "ci95", "kind", "seeds"}}},
+    the interval `seed_interval`'s (95% t for 3+ seeds, the range for 2). Arguments: seed -> key -> metrics
+    (`_run_evaluations` per seed)."""
+    from benchmarks.evaluation.metrics import seed_interval
+
+    keys = sorted({k for ev in method.values() for k in ev}, key=_eval_order)
+    out: dict[str, dict] = {}
+    for key in keys:
+        seeds = sorted(s for s in method if key in method[s] and key in baseline.get(s, {}))
+        if len(seeds) < 2:
+            continue
+        metrics = [x for x in method[seeds[0]][key] if all(x in method[s][key] and x in baseline[s][key] for s in seeds)]
+        for x in metrics:
+            diffs = [method[s][key][x] - baseline[s][key][x] for s in seeds]
+            lo, hi, kind = seed_interval(diffs)
+            out.setdefault(key, {})[x] = {"mean": statistics.fmean(diffs), "ci95": [lo, hi], "kind": kind,
+                                          "seeds": seeds}
+    return out
 
 
 def over_seeds_text(o: Optional[dict], digits: int, scale: float = 1.0) -> str:
@@ -570,4 +602,19 @@ def report_markdown(summary: dict) -> str:
         for m, d in methods.items():
             e = d["evaluations"].get(key, {})
             lines.append(f"| {m} | " + " | ".join(over_seeds_text(e.get(x), 1) for x in metrics) + " |")
+    base = summary.get("baseline")
+    for m, d in methods.items():
+        paired = d.get("paired_vs_baseline")
+        if not paired:
+            continue
+        metrics = sorted({x for e in paired.values() for x in e if not x.startswith("maj@")},
+                         key=lambda x: (x.split("@")[0], int(x.split("@")[1])))
+        lines += ["", f"## Paired by seed: {m} minus {base}", "",
+                  "Mean of the per-seed differences [95% t-interval for 3+ seeds, the range for 2]; seeds paired.", "",
+                  "| evaluation | seeds | " + " | ".join(metrics) + " |", "|---|---|" + "---|" * len(metrics)]
+        for key, e in paired.items():
+            seeds = next(iter(e.values()))["seeds"]
+            cells = ["–" if x not in e else f"{e[x]['mean']:+.1f} [{e[x]['ci95'][0]:+.1f}, {e[x]['ci95'][1]:+.1f}]"
+                     for x in metrics]
+            lines.append(f"| {key} | {', '.join(map(str, seeds))} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
