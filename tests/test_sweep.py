@@ -280,19 +280,31 @@ def test_evaluations_are_paired_by_seed_against_the_first_method(tmp_path):
 
 
 def test_summary_carries_each_methods_own_numbers():
-    """STAPO's silenced share and the covariance kernel's mean weight are averaged over the steps that
-    logged them; methods that never log them have no such key, and the report shows "–" there."""
+    """STAPO's silenced share, the covariance kernel's mean weight, STARE's L+/L- shares and KL-Cov's
+    penalised share are averaged over the steps that logged them; methods that never log them have no
+    such key, and the report shows "–" there."""
     from stare_cli.analysis.sweep import dynamics_summary, report_markdown, seeds_summary
 
     base = [{"step": i, "entropy": 0.4, "reward": 0.5} for i in range(1, 5)]
     stapo = [{**r, "stapo/spurious_frac": f} for r, f in zip(base, (0.0, 0.01, 0.03, 0.0))]
     covk = [{**r, "actor/covk/mean_w": w} for r, w in zip(base, (0.8, 0.9, 0.7, 0.8))]
+    stare = [{**r, "stare/gate": gt, "stare/sel_pos": p, "stare/sel_neg": 0.0}
+             for r, gt, p in zip(base, (0.0, 1.0, 1.0, 0.0), (0.02, 0.04, 0.03, 0.03))]
+    klcov = [{**r, "actor/kl_frac": 0.002} for r in base]
     s, k, g = dynamics_summary(stapo, 0.3), dynamics_summary(covk, 0.3), dynamics_summary(base, 0.3)
+    st, kl = dynamics_summary(stare, 0.3), dynamics_summary(klcov, 0.3)
     assert s["silenced_share"] == pytest.approx(0.01)  # (0 + 0.01 + 0.03 + 0) / 4
     assert k["kernel_mean_w"] == pytest.approx(0.8)  # (0.8 + 0.9 + 0.7 + 0.8) / 4
+    assert st["gate_on_share"] == 0.5 and st["stare_sel_pos"] == pytest.approx(0.03)  # (2 + 4 + 3 + 3) / 4 %
+    assert kl["kl_cov_share"] == pytest.approx(0.002)
     assert "silenced_share" not in g and "kernel_mean_w" not in g and g["gate_on_share"] == 0.0
+    assert "stare_sel_pos" not in g and "kl_cov_share" not in g
     methods = {name: {"seeds": {1: x}, "over_seeds": seeds_summary([x]), "evaluations": {}}
-               for name, x in (("stapo", s), ("cov-kernel", k), ("grpo-ds", g))}
+               for name, x in (("stapo", s), ("cov-kernel", k), ("grpo-ds", g), ("stare-o1", st), ("kl-cov", kl))}
     report = report_markdown({"settings": {"recipe": "tiny/explore"}, "methods": methods})
-    assert "| stapo | 0.0000 ± 0.0000 [0.0000, 0.0000] | 0.0100 ± 0.0000 [0.0100, 0.0100] | – |" in report
-    assert "| grpo-ds | 0.0000 ± 0.0000 [0.0000, 0.0000] | – | – |" in report
+    z = "0.0000 ± 0.0000 [0.0000, 0.0000]"
+    assert f"| stapo | {z} | – | – | 0.0100 ± 0.0000 [0.0100, 0.0100] | – | – |" in report
+    assert f"| grpo-ds | {z} | – | – | – | – | – |" in report
+    assert f"| stare-o1 | 0.5000 ± 0.0000 [0.5000, 0.5000] | 0.0300 ± 0.0000 [0.0300, 0.0300] | {z} | – | – | – |" \
+        in report
+    assert f"| kl-cov | {z} | – | – | – | – | 0.0020 ± 0.0000 [0.0020, 0.0020] |" in report
