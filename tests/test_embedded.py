@@ -365,6 +365,33 @@ def test_compare_prints_the_runs_cards(cli, tmp_path, quick_toy):
     assert code == 1 and "no training run directories" in err
 
 
+def test_a_run_from_a_checkout_with_uncommitted_changes_keeps_the_diff(cli, tmp_path, quick_toy, monkeypatch):
+    """A run's commit ends in -dirty when the checkout had uncommitted changes; the changes themselves are
+    kept in the run directory (source-<event>-step<k>.diff), named in config-history.jsonl and the card."""
+    import subprocess
+
+    from stare_cli.core import runs as R
+
+    repo = tmp_path / "src"
+    repo.mkdir()
+    git = lambda *a: subprocess.run(["git", "-C", str(repo), *a], check=True, capture_output=True)  # noqa: E731
+    git("init", "-q")
+    (repo / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    assert not R.git_sha(repo).endswith("-dirty") and R.source_diff(repo) is None
+    (repo / "a.py").write_text("x = 2\n")
+    assert R.git_sha(repo).endswith("-dirty") and "+x = 2" in R.source_diff(repo)
+    sha, diff = R.git_sha, R.source_diff
+    monkeypatch.setattr(R, "git_sha", lambda cwd=None: sha(repo))
+    monkeypatch.setattr(R, "source_diff", lambda cwd=None: diff(repo))
+    run = _train(cli, tmp_path, quick_toy, "grpo-ds", "optim.total_steps=1", "method.dynamic_sampling=false")
+    (start,) = [json.loads(line) for line in (run / "config-history.jsonl").read_text().splitlines()]
+    assert start["git_sha"].endswith("-dirty") and start["source_diff"] == "source-start-step0.diff"
+    assert "+x = 2" in (run / "source-start-step0.diff").read_text()
+    assert "(uncommitted changes in the checkout: `source-start-step0.diff`)" in (run / "REPRODUCE.md").read_text()
+
+
 def test_export_of_an_embedded_checkpoint(cli, tmp_path, quick_toy):
     from safetensors.torch import load_file
 

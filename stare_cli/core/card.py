@@ -129,12 +129,15 @@ def write_card(run_dir: Path, status: str = "started") -> Path:
     if len(history) > 1:
         lines += ["Starts and resumes (config-history.jsonl):", ""]
         lines += [f"- {h.get('event')} at step {h.get('step')}: overrides {h.get('overrides') or '[]'}, "
-                  f"commit {h.get('git_sha')}" for h in history]
+                  f"commit {h.get('git_sha')}" + (f" (its uncommitted changes: `{h['source_diff']}`)"
+                                                  if h.get("source_diff") else "") for h in history]
         lines.append("")
     pk = meta.get("packages", {})
     lines += ["## Code and environment", "",
               f"- commit: `{meta.get('git_sha') or 'unknown (not a git checkout)'}`"
-              + (" (uncommitted changes in the checkout)" if str(meta.get("git_sha", "")).endswith("-dirty") else ""),
+              + ((" (uncommitted changes in the checkout" + (f": `{history[0]['source_diff']}`" if history and
+                                                             history[0].get("source_diff") else "") + ")")
+                 if str(meta.get("git_sha", "")).endswith("-dirty") else ""),
               f"- packages: {', '.join(f'{k} {v}' for k, v in pk.items()) or 'not recorded'}",
               f"- python {meta.get('python', '?')} on {meta.get('platform', '?')}, host {meta.get('host', '?')}",
               f"- backend {meta.get('backend', '?')}, device {meta.get('device', (cfg.get('backend') or {}).get('verl', {}).get('device', '?'))}; "

@@ -196,6 +196,18 @@ def git_sha(cwd: Path | None = None) -> str | None:
         return None
 
 
+def source_diff(cwd: Path | None = None) -> str | None:
+    """`git diff HEAD` of the checkout this code runs from (tracked files, as `git_sha`'s -dirty sees them):
+    what a dirty run ran beyond its commit; None when there is none or no checkout."""
+    here = cwd or Path(__file__).resolve().parent
+    try:
+        out = subprocess.run(["git", "diff", "HEAD", "--no-color", "--no-ext-diff"], cwd=here, capture_output=True,
+                             text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out or None
+
+
 def environment_summary() -> dict[str, Any]:
     from importlib import metadata
 
@@ -237,10 +249,15 @@ def record_config(run_dir: Path, recipe: Recipe, event: str, step: int, override
     from stare_cli.core.recipes import recipe_to_yaml
 
     atomic_write_text(run_dir / "config.yaml", recipe_to_yaml(recipe))
-    append_jsonl(run_dir / "config-history.jsonl",
-                 {"event": event, "step": step, "overrides": list(overrides), "changed": changed or {},
-                  "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git_sha": git_sha(), "argv": sys.argv,
-                  **(extra or {})})
+    sha = git_sha()
+    row = {"event": event, "step": step, "overrides": list(overrides), "changed": changed or {},
+           "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git_sha": sha, "argv": sys.argv, **(extra or {})}
+    diff = source_diff() if sha and sha.endswith("-dirty") else None
+    if diff:  # what the code ran beyond its commit, kept beside the records it made
+        name = f"source-{event}-step{step}.diff"
+        atomic_write_text(run_dir / name, diff)
+        row["source_diff"] = name
+    append_jsonl(run_dir / "config-history.jsonl", row)
 
 
 def append_jsonl(path: Path, row: dict[str, Any]) -> None:
