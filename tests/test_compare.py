@@ -428,6 +428,23 @@ def test_a_short_runs_plot_has_whole_step_ticks_and_says_it_is_unsmoothed(tmp_pa
     assert labels == ["stare-o1 (each step, unsmoothed)", "H_tgt = 0.45"]
 
 
+def test_stares_selected_share_and_gate_get_a_panel_when_a_run_logged_them(tmp_path, monkeypatch):
+    """Issue 48 asks for the gate and the selected share over training: a panel of L+'s share with an x
+    at each step the gate was on, only where a STARE run logged it."""
+    from stare_cli.analysis import plots
+
+    figs = []
+    monkeypatch.setattr(plots, "save_figure", lambda fig, base: figs.append(fig) or [])
+    stare = [{"step": s, "entropy": 0.5, "stare/sel_pos": 0.02 + 0.001 * s, "stare/gate": float(s in (2, 3))}
+             for s in range(1, 5)]
+    grpo = [{"step": s, "entropy": 0.5} for s in range(1, 5)]
+    plots.plot_dynamics({"stare-o1": [stare], "grpo-ds": [grpo]}, tmp_path / "d")
+    ax = next(a for a in figs[0].axes if a.get_title() == plots.STARE_PANEL[1])
+    (gate,) = ax.collections  # one scatter: the gate-on steps of the one STARE run
+    assert [tuple(p) for p in gate.get_offsets()] == [(2, 0.022), (3, 0.023)]
+    assert [k for k, _ in plots.dynamics_panels({"grpo-ds": [grpo]})] == ["entropy", "reward", "full_solve", "len/mean"]
+
+
 def test_a_difference_with_a_field_one_side_lacks_reads_as_a_dash():
     """The walk-through of issue 44: a run's step-2 evaluation beside the model's own evaluation was
     explained as 'step 2/None'."""

@@ -51,6 +51,22 @@ def smoothing_window(steps: int, window: int = 10) -> int:
     return max(1, min(window, steps // 10))
 
 
+STARE_PANEL = ("stare/sel_pos", "STARE: L+ share of valid tokens (x: gate on)")
+
+
+def dynamics_panels(runs: dict[str, list[list[dict]]], eval_key: Optional[str] = None) -> list[tuple[str, str]]:
+    """The panels of a dynamics plot, (metric key, title): the four of PANELS, STARE's selected share with
+    its gate when a run logged it, then the evaluation accuracy (`eval_key`, else the first one logged)."""
+    logged = {k for group in runs.values() for rows in group for r in rows for k in r}
+    panels = list(PANELS) + ([STARE_PANEL] if STARE_PANEL[0] in logged else [])
+    if eval_key is None:
+        keys = sorted(k for k in logged if k.startswith("eval/") and k.endswith("/acc"))
+        eval_key = keys[0] if keys else None
+    if eval_key:
+        panels.append((eval_key, f"evaluation accuracy ({eval_key.split('/')[1]})"))
+    return panels
+
+
 def plot_dynamics(runs: dict[str, list[list[dict]]], out_base: Path, h_tgt: Optional[float] = None,
                   eval_key: Optional[str] = None, window: int = 10) -> list[Path]:
     """Plot metric rows (metrics.jsonl) per label: each run's raw values (thin), and the mean over the
@@ -62,13 +78,7 @@ def plot_dynamics(runs: dict[str, list[list[dict]]], out_base: Path, h_tgt: Opti
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = list(PANELS)
-    if eval_key is None:
-        keys = {k for group in runs.values() for rows in group for r in rows for k in r
-                if k.startswith("eval/") and k.endswith("/acc")}
-        eval_key = sorted(keys)[0] if keys else None
-    if eval_key:
-        panels.append((eval_key, f"evaluation accuracy ({eval_key.split('/')[1]})"))
+    panels = dynamics_panels(runs, eval_key)
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     steps = max((r.get("step", 0) for group in runs.values() for rows in group for r in rows), default=0)
@@ -84,6 +94,11 @@ def plot_dynamics(runs: dict[str, list[list[dict]]], out_base: Path, h_tgt: Opti
                 xs, ys = zip(*pts)
                 if not key.startswith("eval/"):
                     ax.plot(xs, ys, color=c, alpha=0.45 if w > 1 else 1.0, linewidth=0.8)
+                if key == STARE_PANEL[0]:  # the steps whose update the weights entered (the gate on)
+                    on = [(x, y) for x, y, r in zip(xs, ys, (r for r in rows if key in r and r[key] is not None))
+                          if r.get("stare/gate")]
+                    if on:
+                        ax.scatter(*zip(*on), marker="x", s=14, color=c, linewidths=0.8)
                 for x, y in pts:
                     by_step.setdefault(x, []).append(y)
             if not by_step:
