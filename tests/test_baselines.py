@@ -147,15 +147,64 @@ def test_top_entropy_mask_keeps_top_fraction():
 
 # ------------------------------------------------------------------------------------------ STARE
 
-@pytest.fixture(params=["host", "device"])
-def stare_path(request, monkeypatch):
-    """Every STARE selection test runs on both paths: NumPy on the host (the CPU default) and the torch
-    path that accelerators take, forced here on the CPU."""
+STARE_PATHS = ("c", "numpy", "device")
+
+
+def _use_stare_path(mp, path):
+    """Force one of the three implementations: C on the host (the CPU default where it was built), NumPy
+    on the host (its reference and fallback), and the torch path accelerators take, here on the CPU."""
     import baselines.stare as stare_mod
 
-    if request.param == "device":
-        monkeypatch.setattr(stare_mod, "_on_host", lambda *args: False)
+    if path == "c" and stare_mod._kernel is None:
+        pytest.skip("the C selection was not built (no C compiler at install); the NumPy path runs instead")
+    if path in ("numpy", "device"):
+        mp.setattr(stare_mod, "_kernel", None)
+    if path == "device":
+        mp.setattr(stare_mod, "_on_host", lambda *args: False)
+
+
+@pytest.fixture(params=STARE_PATHS)
+def stare_path(request, monkeypatch):
+    """Every STARE selection test runs on all three paths (_use_stare_path)."""
+    _use_stare_path(monkeypatch, request.param)
     return request.param
+
+
+def test_the_c_selection_is_built_where_a_compiler_is():
+    """`pip install -e .` builds baselines/_stare_select.c (optional, so an install without a compiler
+    still works): where the interpreter's C compiler exists, a missing kernel is a failed build."""
+    import shlex
+    import shutil
+    import sysconfig
+
+    import baselines.stare as stare_mod
+
+    cc = shlex.split(sysconfig.get_config_var("CC") or "cc")[0]
+    if shutil.which(cc) is None:
+        pytest.skip(f"no C compiler ({cc}): the NumPy path runs")
+    assert stare_mod._kernel is not None, "baselines/_stare_select.c did not build: run `pip install -e .` again and read its output"
+
+
+def test_the_c_selection_refuses_what_it_cannot_read():
+    import numpy as np
+
+    import baselines.stare as stare_mod
+
+    if stare_mod._kernel is None:
+        pytest.skip("the C selection was not built")
+    k = stare_mod._kernel
+    a = np.ones(8, np.float32)
+    out = np.empty(8, np.int64)
+    with pytest.raises(TypeError, match="float32 or float64"):
+        k.select(a.astype(np.float16), a, a.astype(np.float16), 0.5, True, out, out)
+    with pytest.raises(TypeError, match="dtype"):
+        k.select(a, a, a.astype(np.float64), 0.5, True, out, out)
+    with pytest.raises(ValueError, match="same number"):
+        k.select(a, a[:7], a, 0.5, True, out, out)
+    with pytest.raises(ValueError, match="k\\(P, N\\)"):
+        k.select(a, a, a, 0.5, True, out[:3], out)  # k(0.5, 8) = 4 positions may be written
+    with pytest.raises(ValueError, match="dtype and size"):
+        k.scale(a, a, a, 0.5, 1.1, 0.9, True, True, np.empty(8, np.float64))
 
 
 def _case():
@@ -334,7 +383,7 @@ def _reference_selection(adv, log_prob, mask, P, sign):
 
 
 def _selection_cases():
-    """(name, adv, log_prob, mask): small and large, ties, +-0.0, log-probs above 0, NaN, infinities,
+    """(name, adv, log_prob, mask): small and large, ties, +-0.0, log-probs above 0, +-NaN, infinities,
     float64, bool masks, and a batch whose every-8th-member sample overestimates the threshold (the
     NumPy path's narrowing fails and falls back to the full partition)."""
     g = torch.Generator().manual_seed(7)
@@ -348,8 +397,10 @@ def _selection_cases():
         odd = lp.clone().reshape(-1)
         odd[::5], odd[1::7], odd[2::11] = 0.0, -0.0, 0.25  # +0, -0 and a log-prob rounded above 0
         odd[3::13], odd[4::17], odd[6::19] = float("nan"), float("-inf"), float("inf")
+        odd[8::23] = -float("nan")  # a NaN with the sign bit set: ranked as NaN too
         cases.append((f"+-0, >0, nan, inf {n_rows}x{T}", adv, odd.view(n_rows, T), mask.bool()))
         cases.append((f"float64 {n_rows}x{T}", adv.double(), lp.double(), mask))
+    cases.append(("all tied, 1x5000", torch.ones(1, 5000), torch.full((1, 5000), -1.0), torch.ones(1, 5000)))  # keys sorted by position
     T = 4000  # one row of A > 0: the large surprisals sit exactly on the sampled members (every 8th)
     lp = torch.full((1, T), -0.5)
     lp[0, ::8] = -5.0 - torch.arange(0, T, 8) / T
@@ -359,29 +410,30 @@ def _selection_cases():
 
 @pytest.mark.parametrize("variant", ["o1", "c2"])
 def test_stare_host_and_device_paths_agree_with_brute_force(variant, monkeypatch):
-    """The NumPy host path and the torch device path select what a brute-force ranking selects, and
-    scale A to the same bits (stare_scale) and give the same weights (stare_token_weights)."""
+    """The C and NumPy host paths and the torch device path select what a brute-force ranking selects,
+    and scale A to the same bits (stare_scale) and give the same weights (stare_token_weights)."""
     import baselines.stare as stare_mod
     from baselines.stare import stare_positions, stare_scale
 
+    paths = [p for p in STARE_PATHS if p != "c" or stare_mod._kernel is not None]
     for name, adv, lp, mask in _selection_cases():
         for P in (0.1, 0.37):
             out = {}
-            for path in ("host", "device"):
+            for path in paths:
                 with monkeypatch.context() as mp:
-                    if path == "device":
-                        mp.setattr(stare_mod, "_on_host", lambda *args: False)
+                    _use_stare_path(mp, path)
                     pos, neg = stare_positions(adv, lp, mask, P=P, variant=variant)
                     out[path] = (sorted(pos.tolist()), sorted(neg.tolist()),
                                  stare_scale(adv, lp, mask, P=P, W=1.1, M=0.9, variant=variant),
                                  stare_token_weights(adv, lp, mask, P=P, W=1.1, M=0.9, variant=variant))
             ref_pos = _reference_selection(adv, lp, mask, P, +1)
             ref_neg = _reference_selection(adv, lp, mask, P, -1) if variant == "c2" else []
-            assert out["host"][0] == ref_pos and out["device"][0] == ref_pos, (name, P)
-            assert out["host"][1] == ref_neg and out["device"][1] == ref_neg, (name, P)
-            (h_adv, *h_counts), (d_adv, *d_counts) = out["host"][2], out["device"][2]
-            assert h_adv.dtype == d_adv.dtype == adv.dtype and torch.equal(h_adv, d_adv) and h_counts == d_counts, (name, P)
-            assert torch.equal(out["host"][3], out["device"][3]), (name, P)
+            d_adv, *d_counts = out["device"][2]
+            for path in paths:
+                assert out[path][0] == ref_pos and out[path][1] == ref_neg, (name, P, path)
+                h_adv, *h_counts = out[path][2]
+                assert h_adv.dtype == d_adv.dtype == adv.dtype and torch.equal(h_adv, d_adv) and h_counts == d_counts, (name, P, path)
+                assert torch.equal(out[path][3], out["device"][3]), (name, P, path)
 
 
 def test_stare_host_path_takes_cpu_tensors_only_outside_autograd():

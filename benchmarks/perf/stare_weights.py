@@ -10,6 +10,7 @@ Two scopes:
   benchmarks/perf/official_reference.py), and vs the PPO-clip loss forward of the same micro-batch.
 
     python benchmarks/perf/stare_weights.py [--scope both --B 512 --T 4096 --tokens 8192 --device cpu]
+        [--threads 1 --clock thread]   # CPU time of this thread: steady while other processes share the cores
 
 Targets: batch scope, ours <= 0.8x the PPO-clip forward and >= 1.7x faster than the official approach;
 official scope, ours >= 1.7x faster than the official function and <= 0.3x the PPO-clip forward.
@@ -34,18 +35,24 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def race(cands: dict, device: str, repeats: int) -> dict[str, float]:
-    """Median seconds per candidate, the candidates alternating within every repeat."""
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
+
+
+def race(cands: dict, device: str, repeats: int, clock: str = "wall") -> dict[str, float]:
+    """Median seconds per candidate, the candidates alternating within every repeat. clock 'thread'
+    counts this thread's CPU time only (one torch thread, on the CPU): what other processes take
+    from the cores does not count, their effect on caches does."""
+    now = CLOCKS[clock]
     for fn in cands.values():  # warm-up
         fn()
     times: dict[str, list[float]] = {k: [] for k in cands}
     for _ in range(repeats):
         for name, fn in cands.items():
             sync(device)
-            t0 = time.perf_counter()
+            t0 = now()
             fn()
             sync(device)
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(now() - t0)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -62,11 +69,11 @@ def batch_scope(args) -> None:
         "vanilla PPO-clip forward": lambda: ppo_clip_loss(new, old, adv, mask),
         "STARE weights (ours)": lambda: stare_token_weights(adv, old, mask, variant=v),
         "STARE weights (official approach)": lambda: official_weights(old, adv, mask, variant=v, with_metrics=False),
-    }, d, args.repeats)
+    }, d, args.repeats, args.clock)
     agree = (stare_token_weights(adv, old, mask, variant=v) == official_weights(old, adv, mask, variant=v,
                                                                                  with_metrics=False)[0]).float().mean()
     print(f"[batch scope] B x T = {B} x {T}, valid {mask.mean().item():.2f}, {v}, device {d}, "
-          f"torch threads {torch.get_num_threads()}, repeats {args.repeats}")
+          f"torch threads {torch.get_num_threads()}, repeats {args.repeats}, clock {args.clock}")
     for k, t in med.items():
         print(f"  {k:40s} {t * 1e3:9.2f} ms (median)")
     base, ours, off = med["vanilla PPO-clip forward"], med["STARE weights (ours)"], med["STARE weights (official approach)"]
@@ -114,10 +121,10 @@ def official_scope(args) -> None:
             ppo_clip_loss(lp, old, adv, mask)
 
     med = race({"PPO-clip loss forward": vanilla, "selection (ours, per loss call)": ours,
-                "selection (official function, as it runs)": official}, d, args.repeats)
+                "selection (official function, as it runs)": official}, d, args.repeats, args.clock)
     n_tok = sum(int(m.sum()) for *_, m in micro)
     print(f"[official scope] {len(micro)} micro-batches of <= {args.tokens} tokens ({n_tok} response tokens), "
-          f"{args.variant}, device {d}, torch threads {torch.get_num_threads()}, repeats {args.repeats}")
+          f"{args.variant}, device {d}, torch threads {torch.get_num_threads()}, repeats {args.repeats}, clock {args.clock}")
     for k, t in med.items():
         print(f"  {k:44s} {t * 1e3:9.2f} ms per mini-batch (median)")
     base, o, off = med["PPO-clip loss forward"], med["selection (ours, per loss call)"], \
@@ -136,7 +143,21 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--variant", default="o1", choices=["o1", "c2"])
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
+    ap.add_argument("--host-path", default="default", choices=["default", "numpy"],
+                    help="numpy: the NumPy host selection even where the C one was built (to compare the two)")
+    ap.add_argument("--clock", default="wall", choices=sorted(CLOCKS),
+                    help="wall: elapsed time; thread: this thread's CPU time (needs --threads 1 on the CPU)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    import baselines.stare as stare_mod
+
+    if args.host_path == "numpy":
+        stare_mod._kernel = None
+    print(f"host selection: {'C (baselines/_stare_select.c)' if stare_mod._kernel is not None else 'NumPy'}")
+    if args.clock == "thread" and (args.device != "cpu" or torch.get_num_threads() != 1):
+        ap.error("--clock thread counts one thread's CPU time: use it with --device cpu --threads 1")
     if args.scope in ("both", "batch"):
         batch_scope(args)
     if args.scope in ("both", "official"):
