@@ -384,7 +384,7 @@ def _reference_selection(adv, log_prob, mask, P, sign):
 
 def _selection_cases():
     """(name, adv, log_prob, mask): small and large, ties, +-0.0, log-probs above 0, +-NaN, infinities,
-    float64, bool masks, and a batch whose every-8th-member sample overestimates the threshold (the
+    float64 and mixed dtypes, bool masks, and a batch whose every-8th-member sample overestimates the threshold (the
     NumPy path's narrowing fails and falls back to the full partition)."""
     g = torch.Generator().manual_seed(7)
     cases = []
@@ -400,6 +400,8 @@ def _selection_cases():
         odd[8::23] = -float("nan")  # a NaN with the sign bit set: ranked as NaN too
         cases.append((f"+-0, >0, nan, inf {n_rows}x{T}", adv, odd.view(n_rows, T), mask.bool()))
         cases.append((f"float64 {n_rows}x{T}", adv.double(), lp.double(), mask))
+        cases.append((f"float32 A, float64 log pi {n_rows}x{T}", adv, odd.view(n_rows, T).double(), mask))
+        cases.append((f"float64 A, float32 log pi {n_rows}x{T}", adv.double(), odd.view(n_rows, T), mask))
     cases.append(("all tied, 1x5000", torch.ones(1, 5000), torch.full((1, 5000), -1.0), torch.ones(1, 5000)))  # keys sorted by position
     T = 4000  # one row of A > 0: the large surprisals sit exactly on the sampled members (every 8th)
     lp = torch.full((1, T), -0.5)
