@@ -95,8 +95,7 @@ def plot_dynamics(runs: dict[str, list[list[dict]]], out_base: Path, h_tgt: Opti
                 if not key.startswith("eval/"):
                     ax.plot(xs, ys, color=c, alpha=0.45 if w > 1 else 1.0, linewidth=0.8)
                 if key == STARE_PANEL[0]:  # the steps whose update the weights entered (the gate on)
-                    on = [(x, y) for x, y, r in zip(xs, ys, (r for r in rows if key in r and r[key] is not None))
-                          if r.get("stare/gate")]
+                    on = [(r["step"], r[key]) for r in rows if r.get(key) is not None and r.get("stare/gate")]
                     if on:
                         ax.scatter(*zip(*on), marker="x", s=14, color=c, linewidths=0.8)
                 for x, y in pts:
