@@ -117,21 +117,94 @@ def test_a_cells_progress_is_read_from_its_log(tmp_path):
     from stare_cli.analysis.sweep import _cell_progress
 
     (tmp_path / "logs").mkdir()
-    assert _cell_progress(tmp_path, "a") == "a starting"
+    assert _cell_progress(tmp_path, "a").text == "a starting"
     (tmp_path / "logs" / "a.log").write_text("$ stare train ...\n")
-    assert _cell_progress(tmp_path, "a") == "a setting up"
+    assert _cell_progress(tmp_path, "a").text == "a setting up"
     # before the first step, the latest line, without its clock (it said 'setting up' for the 8 minutes
-    # of a step-0 evaluation)
+    # of a step-0 evaluation); no time left is read from an evaluation's own ETA
     with open(tmp_path / "logs" / "a.log", "a") as f:
         f.write("14:09:50 step 0: evaluating words:two-step before training\n")
-    assert _cell_progress(tmp_path, "a") == "a: step 0: evaluating words:two-step before training"
+    assert _cell_progress(tmp_path, "a").text == "a: step 0: evaluating words:two-step before training"
     with open(tmp_path / "logs" / "a.log", "a") as f:
         f.write("words:two-step: 16/32 problems in 4m00s, 34729 tokens at 144.7 tok/s, ETA 4m00s\n")
-    assert _cell_progress(tmp_path, "a") == "a: words:two-step: 16/32 problems in 4m00s, 34729 tokens at 144.7 tok/s, ETA 4m00s"
+    p = _cell_progress(tmp_path, "a")
+    assert p.text == "a: words:two-step: 16/32 problems in 4m00s, 34729 tokens at 144.7 tok/s, ETA 4m00s"
+    assert p.left_s is None
     with open(tmp_path / "logs" / "a.log", "a") as f:
-        f.write("step 3/30  reward 0.5  entropy 0.4  time/step 60  0.75 steps/min  ETA 32m10s\n")
-        f.write("step 4/30  reward 0.6  entropy 0.4  time/step 60  0.72 steps/min  ETA 31m50s\n")
-    assert _cell_progress(tmp_path, "a") == "a step 4/30, 0.72 steps/min, ETA 31m50s"
+        f.write("step 3/30  reward 0.5  entropy 0.4  time/step 60s  0.75 steps/min  ETA ?\n")
+    p = _cell_progress(tmp_path, "a")
+    assert p.text == "a step 3/30, 0.75 steps/min, ETA ?" and p.left_s is None
+    with open(tmp_path / "logs" / "a.log", "a") as f:
+        f.write("step 4/30  reward 0.6  entropy 0.4  time/step 60s  0.72 steps/min  ETA 31m50s\n")
+    p = _cell_progress(tmp_path, "a")
+    assert p.text == "a step 4/30, 0.72 steps/min, ETA 31m50s"
+    assert (p.left_s, p.unpriced_evals) == (31 * 60 + 50, 0)
+    # a resumed cell has timed no evaluation yet: its ETA says how many it leaves out, and so does the
+    # sweep's line (it read 'ETA 20m17s' for '20m17s + 1 evaluation')
+    with open(tmp_path / "logs" / "a.log", "a") as f:
+        f.write("step 53/60  reward 0.469  entropy 0.0713  time/step 90.3s  0.62 steps/min  ETA 1h10m32s + 2 evaluations\n")
+    p = _cell_progress(tmp_path, "a")
+    assert p.text == "a step 53/60, 0.62 steps/min, ETA 1h10m32s + 2 evaluations"
+    assert (p.left_s, p.unpriced_evals) == (3600 + 10 * 60 + 32, 2)
+
+
+def test_sweep_time_left_schedules_the_waiting_cells_on_the_slot_that_frees_first():
+    from stare_cli.analysis.sweep import sweep_time_left
+
+    # two slots, running cells with 600 s and 300 s left; two waiting cells of 1000 s each:
+    # the first starts at 300 (ends 1300), the second at 600 (ends 1600) -> 1600
+    assert sweep_time_left([600, 300], [1000, 1000], 2) == 1600
+    # one running cell (200 s left) and an idle slot: the waiting 500 s cell starts at once -> max(200, 500)
+    assert sweep_time_left([200], [500], 2) == 500
+    # one slot: everything in a row, 100 + 50 + 70
+    assert sweep_time_left([100], [50, 70], 1) == 220
+    assert sweep_time_left([], [], 2) == 0
+    # an unknown time or cost gives no ETA rather than a wrong one
+    assert sweep_time_left([None, 300], [1000], 2) is None
+    assert sweep_time_left([600], [None], 2) is None
+
+
+def _finished_cell(root: Path, steps: list[float], evals: dict[int, float], total: int) -> Path:
+    run = root / "run"
+    (run / "eval").mkdir(parents=True)
+    (run / "config.yaml").write_text(f"optim: {{total_steps: {total}}}\n")
+    rows = [{"step": k + 1, "entropy": 0.5, "time/step": t} for k, t in enumerate(steps)]
+    for step, t in evals.items():
+        d = run / "eval" / f"step-{step:06d}" / "words-two-step"
+        d.mkdir(parents=True)
+        (d / "results.json").write_text(json.dumps({"elapsed_s": t, "metrics": {}}))
+        (d / "results").mkdir()  # the per-grader copies: not counted twice
+        (d / "results" / "k-math-verify.json").write_text(json.dumps({"elapsed_s": t}))
+        if step:
+            rows[step - 1]["time/eval"] = t
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run
+
+
+def test_a_cells_cost_counts_its_steps_and_evaluations_however_often_it_was_resumed(tmp_path):
+    """The sweep's ETA took the mean wall time of the cells finished by this command: after a resume, a
+    cell that ran its last 8 of 60 steps in 25 minutes made a 10-hour sweep read 'ETA 2h30m'. A cell's
+    cost is read from its records instead."""
+    from stare_cli.analysis.sweep import Cell, _share_left, _SweepClock, cell_cost_s
+
+    run = _finished_cell(tmp_path / "a", [60.0, 60.0, 90.0], {0: 100.0, 3: 50.0}, total=3)
+    assert cell_cost_s(run) == 60 + 60 + 90 + 100 + 50  # 360; time/eval on step 3 is the same evaluation
+    assert _share_left(run) == 0.0 and _share_left(None) == 1.0
+    (run / "config.yaml").write_text("optim: {total_steps: 12}\n")
+    assert _share_left(run) == 0.75  # 3 of 12 steps run
+    assert cell_cost_s(_finished_cell(tmp_path / "b", [], {}, total=3)) is None  # no time/step logged
+
+    out = tmp_path / "sweep"
+    (out / "logs").mkdir(parents=True)
+    clock = _SweepClock(out, parallel=2)
+    assert clock.cost("grpo-ds") is None  # nothing finished: no estimate
+    clock.finished(Cell("grpo-ds", 1, run_dir=str(run), state="done"))
+    clock.finished(Cell("stare-o1", 1, run_dir=str(_finished_cell(tmp_path / "c", [100.0] * 3, {}, 3)), state="done"))
+    clock.finished(Cell("kl-cov", 1, run_dir=str(run), state="failed"))  # only finished cells count
+    assert clock.cost("grpo-ds") == 360 and clock.cost("stare-o1") == 300
+    assert clock.cost("kl-cov") == (360 + 300) / 2  # no kl-cov cell finished: every finished cell's mean
+    # no cell running, three waiting on two slots: 360 | 300, then kl-cov (330) after stare-o1 -> 630
+    assert clock.left({}, [Cell("grpo-ds", 2), Cell("stare-o1", 2), Cell("kl-cov", 2)]) == 630
 
 
 def test_cells_run_seed_by_seed_and_earlier_cells_keep_their_place(tmp_path):

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import re
 import signal
@@ -271,7 +270,19 @@ PROGRESS_FIRST_S, PROGRESS_EVERY_S = 10.0, 30.0  # a line on the running cells: 
 _CLOCK = re.compile(r"^\d\d:\d\d:\d\d ")  # the time a phase line starts with
 
 
-def _cell_progress(out: Path, name: str) -> str:
+@dataclass(frozen=True)
+class CellProgress:
+    """A running cell as the sweep's progress line shows it, and the time it says it has left."""
+
+    text: str  # 'grpo-ds-seed1 step 12/30, 0.70 steps/min, ETA 3m10s + 1 evaluation'
+    left_s: Optional[float] = None  # its own ETA in seconds (None before its first step line)
+    unpriced_evals: int = 0  # evaluations its ETA leaves out: it has timed none since it (re)started
+
+
+_ETA = re.compile(r"ETA (?:(\d+)h)?(\d+)m(\d+)s(?: \+ (\d+) evaluations?)?")
+
+
+def _cell_progress(out: Path, name: str) -> CellProgress:
     """A running cell's latest step line from its log ('grpo-ds-seed1 step 12/30, 0.70 steps/min, ETA
     3m10s'), or before its first step its latest line ('grpo-ds-seed1: words:two-step: 16/32 problems in
     4m00s, ..., ETA 4m00s')."""
@@ -281,15 +292,110 @@ def _cell_progress(out: Path, name: str) -> str:
             f.seek(max(0, f.tell() - 8192))
             lines = f.read().decode(errors="replace").splitlines()
     except OSError:
-        return f"{name} starting"
+        return CellProgress(f"{name} starting")
     step = next((ln for ln in reversed(lines) if ln.startswith("step ")), None)
     if step is None:  # before its first step: its latest line (loading, the step-0 evaluation's progress)
         last = next((ln.strip() for ln in reversed(lines) if ln.strip() and not ln.startswith("$ ")), None)
-        return f"{name}: {_CLOCK.sub('', last)[:120]}" if last else f"{name} setting up"
+        return CellProgress(f"{name}: {_CLOCK.sub('', last)[:120]}" if last else f"{name} setting up")
     words = step.split()
     rate = next((f"{words[i - 1]} steps/min" for i, w in enumerate(words) if w == "steps/min"), "")
-    eta = next((f"ETA {words[i + 1]}" for i, w in enumerate(words[:-1]) if w == "ETA"), "")
-    return ", ".join(x for x in (f"{name} {words[0]} {words[1]}", rate, eta) if x)
+    m = _ETA.search(step)
+    eta = step[m.start():m.end()] if m else next((f"ETA {words[i + 1]}" for i, w in enumerate(words[:-1])
+                                                  if w == "ETA"), "")
+    text = ", ".join(x for x in (f"{name} {words[0]} {words[1]}", rate, eta) if x)
+    if m is None:  # 'ETA ?': no step timed yet
+        return CellProgress(text)
+    h, mi, se, evals = m.groups()
+    return CellProgress(text, 3600 * int(h or 0) + 60 * int(mi) + int(se), int(evals or 0))
+
+
+def cell_cost_s(run_dir: Path) -> Optional[float]:
+    """What a cell's run took, however often it was stopped and resumed: its steps' `time/step` plus its
+    evaluations' `elapsed_s` (eval/step-*/<bench>/results.json); loading the model is left out. None when
+    its steps logged no `time/step`."""
+    steps = [r["time/step"] for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("time/step") is not None]
+    if not steps:
+        return None
+    evals = []
+    for f in (run_dir / "eval").glob("step-*/*/results.json"):
+        try:
+            evals.append(float(json.loads(f.read_text()).get("elapsed_s") or 0.0))
+        except (OSError, ValueError, TypeError):
+            pass
+    return sum(steps) + sum(evals)
+
+
+def sweep_time_left(running_left: list[Optional[float]], waiting_costs: list[Optional[float]],
+                    parallel: int) -> Optional[float]:
+    """Seconds until the last cell ends: each waiting cell, in order, starts in the slot that frees first
+    (the running cells' own times left, then idle slots at 0) and takes its cost. None when any time or
+    cost is unknown.
+        running_left: [len(running)] seconds each running cell has left
+        waiting_costs: [len(waiting)] seconds each waiting cell will take"""
+    if any(x is None for x in (*running_left, *waiting_costs)):
+        return None
+    slots = sorted([float(x) for x in running_left] + [0.0] * max(0, parallel - len(running_left)))
+    for cost in waiting_costs:
+        slots[0] += float(cost)
+        slots.sort()
+    return max(slots, default=0.0)
+
+
+class _SweepClock:
+    """The sweep's ETA from what its finished cells took (`cell_cost_s`, per method; every finished cell's
+    mean for a method none of whose cells has finished) and what the running cells say they have left."""
+
+    def __init__(self, out: Path, parallel: int):
+        self.out, self.parallel = out, parallel
+        self.costs: dict[str, tuple[str, Optional[float]]] = {}  # cell name -> (method, cost)
+
+    def finished(self, cell: Cell) -> None:
+        if cell.state == "done" and cell.run_dir and cell.name not in self.costs:
+            self.costs[cell.name] = (cell.method, cell_cost_s(Path(cell.run_dir)))
+
+    def cost(self, method: str) -> Optional[float]:
+        own = [c for m, c in self.costs.values() if m == method and c is not None]
+        every = [c for _, c in self.costs.values() if c is not None]
+        return statistics.fmean(own or every) if (own or every) else None
+
+    def eval_s(self) -> Optional[float]:
+        """The mean time of the in-training evaluations after step 0 on record in the sweep."""
+        times = []
+        for f in self.out.glob("cells/*/*/eval/step-*/*/results.json"):
+            if f.parent.parent.name != "step-000000":
+                try:
+                    times.append(float(json.loads(f.read_text())["elapsed_s"]))
+                except (OSError, ValueError, KeyError, TypeError):
+                    pass
+        return statistics.fmean(times) if times else None
+
+    def left(self, running: dict[str, "_Running"], todo: list[Cell]) -> Optional[float]:
+        lefts: list[Optional[float]] = []
+        for name, r in running.items():
+            p = _cell_progress(self.out, name)
+            if p.left_s is None:  # before its first step line: its method's cost, less the steps it has run
+                cost = self.cost(r.cell.method)
+                lefts.append(None if cost is None else cost * _share_left(cell_run_dir(self.out, r.cell)))
+            elif p.unpriced_evals:
+                e = self.eval_s()
+                lefts.append(None if e is None else p.left_s + p.unpriced_evals * e)
+            else:
+                lefts.append(p.left_s)
+        return sweep_time_left(lefts, [self.cost(c.method) for c in todo], self.parallel)
+
+
+def _share_left(run_dir: Optional[Path]) -> float:
+    """The share of a cell's steps still to run: 1 for a cell without a run directory or steps yet."""
+    if run_dir is None:
+        return 1.0
+    try:
+        import yaml
+
+        total = int(yaml.safe_load((run_dir / "config.yaml").read_text())["optim"]["total_steps"])
+        steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if "step" in r]
+    except (OSError, ValueError, KeyError, TypeError):
+        return 1.0
+    return max(0.0, 1.0 - max(steps, default=0) / total) if total > 0 else 1.0
 
 
 def _train_cells(spec: SweepSpec, out: Path, cells: list[Cell], parallel: int, threads: int, log: _Log) -> None:
@@ -309,7 +415,9 @@ def _train_cells(spec: SweepSpec, out: Path, cells: list[Cell], parallel: int, t
         return
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": "PASSIVE"}
     running: dict[str, _Running] = {}
-    durations: list[float] = []
+    clock = _SweepClock(out, parallel)
+    for c in cells:  # what the cells an earlier command finished took
+        clock.finished(c)
     got: list[int] = []
     old = {s: signal.signal(s, lambda signum, frame: got.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
     forwarded = 0
@@ -318,7 +426,9 @@ def _train_cells(spec: SweepSpec, out: Path, cells: list[Cell], parallel: int, t
     try:
         while running or (todo and not got):
             if running and time.time() >= next_progress:  # the cells' own step lines: step, rate, ETA
-                log("progress: " + "; ".join(_cell_progress(out, name) for name in running))
+                left = clock.left(running, todo)
+                log("progress: " + "; ".join(_cell_progress(out, name).text for name in running)
+                    + ("" if left is None else f"; sweep ETA {_fmt_s(left)}"))
                 next_progress = time.time() + PROGRESS_EVERY_S
             while todo and len(running) < parallel and not got:
                 c = todo.pop(0)
@@ -354,7 +464,7 @@ def _train_cells(spec: SweepSpec, out: Path, cells: list[Cell], parallel: int, t
                 c.run_dir = str(rd) if rd else (stdout.strip().splitlines() or [None])[-1]
                 if p.returncode == 0:
                     c.state, c.error = "done", None
-                    durations.append(c.seconds)
+                    clock.finished(c)
                 elif p.returncode in (130, 143) and got:
                     c.state, c.error = "interrupted", "interrupted (resumes with the same command)"
                 else:
@@ -364,11 +474,8 @@ def _train_cells(spec: SweepSpec, out: Path, cells: list[Cell], parallel: int, t
                     c.error = (errs or tail or ["no output"])[-1].removeprefix("error: ")[:300]
                 _save_manifest(out, spec, cells)
                 finished = sum(x.state in ("done", "failed") for x in cells)
-                eta = ""
-                if durations and (todo or running):
-                    mean = statistics.fmean(durations)
-                    left = math.ceil((len(todo) + len(running)) / parallel) * mean
-                    eta = f"; ETA {_fmt_s(left)}"
+                left = clock.left(running, todo) if (todo or running) and not got else None
+                eta = "" if left is None else f"; ETA {_fmt_s(left)}"
                 log(f"[{finished}/{len(cells)}] {c.name} {c.state} in {_fmt_s(c.seconds)} (exit {c.exit_code})"
                     f"{'' if c.state == 'done' else ': ' + (c.error or '')}; {len(running)} running, "
                     f"{len(todo)} waiting{eta}")
