@@ -107,6 +107,23 @@ def test_the_eta_counts_the_evaluations_to_come(tmp_path):
     assert last.startswith("step 5/10  time/step 40s  ") and last.endswith("steps/min  ETA 4m00s"), last
 
 
+def test_a_resumed_runs_eta_counts_the_steps_and_evaluations_before_the_stop(tmp_path):
+    """Before: a cell resumed at step 52 of 60 printed 'ETA 20m17s + 1 evaluation' from its one new step,
+    though the run had timed three evaluations before it stopped. Hand-computed: 10 steps, evaluations
+    after steps 5 and 10, resumed at step 6 with steps 1-6 timed 20 s each and the step-5 evaluation 90 s;
+    rows after the resume step (written before the stop, replaced by the resumed run) do not count."""
+    from stare_cli.backends.embedded import StepLog
+
+    log = StepLog(10, 6, tmp_path / "train.log", evals_left=lambda step: (step < 5) + (step < 10))
+    rows = [{"step": k, "time/step": 20.0} for k in range(1, 7)] + [{"step": 7, "time/step": 999.0}]
+    rows[4]["time/eval"] = 90.0
+    log.resume_from(rows)
+    log.log(7, {"time/step": 27.0})
+    # mean step (6 x 20 + 27) / 7 = 21 s; 3 steps left = 63 s; 1 evaluation at 90 s -> 153 s
+    assert log.eta(7) == "2m33s"
+    log.close()
+
+
 def test_a_smoothed_line_says_its_window_and_the_raw_values_stay_visible(tmp_path, monkeypatch):
     """Before: the thick line was a 10-step trailing mean whatever the run's length, and the legend said
     only 'mean of 2'. Now the window is at most a tenth of the run, named in the legend, with each step

@@ -72,7 +72,8 @@ class StepLog:
     - `ticker`: while a step generates, a line every `every_s` seconds with the tokens generated so far
       and their rate (benchmarks.generation.engines.METER);
     - `log`: one line per step (step, key metrics, rate, ETA). The ETA counts the evaluations still to
-      come at the mean time an evaluation took (or, before any, says that it leaves them out);
+      come at the mean time an evaluation took (or, before any, says that it leaves them out); a resumed
+      run counts the steps and evaluations it made before it stopped (`resume_from`);
     - a rich bar on a terminal (its description short: the metrics go on their own line).
     """
 
@@ -96,6 +97,16 @@ class StepLog:
                                      TextColumn("{task.description}"), transient=False)
             self.progress.start()
             self.task = self.progress.add_task("", total=total, completed=start)
+
+    def resume_from(self, rows: list[dict]) -> None:
+        """Time the steps and evaluations ahead by those the run made before it was stopped too (its
+        metrics rows up to the step it resumes at): a resumed run's ETA was one step's time with its
+        evaluations left out ('ETA 20m17s + 1 evaluation')."""
+        for r in rows:
+            if r.get("step", 0) <= self.start and r.get("time/step") is not None:
+                self.step_times.append(float(r["time/step"]))
+                if r.get("time/eval") is not None:
+                    self.eval_times.append(float(r["time/eval"]))
 
     def _emit(self, text: str) -> None:
         if self.file is not None:
@@ -455,6 +466,7 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume: Optional[ResumePla
     start_step = int(run.ckpt.name[5:]) if run.ckpt is not None else 0
     log = StepLog(O.total_steps, start_step, run.run_dir / "train.log",
                   evals_left=lambda step: evaluations_left(cfg, step))
+    log.resume_from(read_jsonl(run.run_dir / "metrics.jsonl") if start_step else [])
     log.note(f"{cfg.method.name} on {cfg.name or 'recipe'}: run directory {run.run_dir}")
     if run.ckpt is not None:  # train.log is appended to: say where the steps below start again
         log.note(f"resumed from {run.ckpt.name}: the lines below for steps after {start_step} replace any above "
