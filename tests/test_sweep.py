@@ -205,6 +205,9 @@ def test_a_cells_cost_counts_its_steps_and_evaluations_however_often_it_was_resu
     assert clock.cost("kl-cov") == (360 + 300) / 2  # no kl-cov cell finished: every finished cell's mean
     # no cell running, three waiting on two slots: 360 | 300, then kl-cov (330) after stare-o1 -> 630
     assert clock.left({}, [Cell("grpo-ds", 2), Cell("stare-o1", 2), Cell("kl-cov", 2)]) == 630
+    # a run that logs no time/step (verl's): the wall time of the command that finished it
+    clock.finished(Cell("dapo", 1, run_dir=str(tmp_path / "b" / "run"), state="done", seconds=1000.0))
+    assert clock.cost("dapo") == 1000
 
 
 def test_cells_run_seed_by_seed_and_earlier_cells_keep_their_place(tmp_path):

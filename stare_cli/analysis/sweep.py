@@ -350,8 +350,11 @@ class _SweepClock:
         self.costs: dict[str, tuple[str, Optional[float]]] = {}  # cell name -> (method, cost)
 
     def finished(self, cell: Cell) -> None:
+        """Record a finished cell's cost: by its records, else (a run that logs no `time/step`, as verl's)
+        the wall time of the command that finished it."""
         if cell.state == "done" and cell.run_dir and cell.name not in self.costs:
-            self.costs[cell.name] = (cell.method, cell_cost_s(Path(cell.run_dir)))
+            cost = cell_cost_s(Path(cell.run_dir))
+            self.costs[cell.name] = (cell.method, cell.seconds if cost is None else cost)
 
     def cost(self, method: str) -> Optional[float]:
         own = [c for m, c in self.costs.values() if m == method and c is not None]
