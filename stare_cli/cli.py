@@ -171,8 +171,11 @@ def train(
         else:
             cfg = load_recipe(recipe, method, overrides)
     from stare_cli.backends import check as check_backend
+    from stare_cli.method.layer import method_warnings
 
     check_backend(cfg)
+    for w in method_warnings(cfg):  # before any work: the run may not be worth starting
+        print(f"warning: {w}", file=sys.stderr)
     if cfg.backend.name == "verl":
         from stare_cli.backends import verl_backend
 

@@ -131,6 +131,27 @@ def test_kl_cov_hand_computed():
     assert stats["kl_frac"].item() == pytest.approx(0.5)
 
 
+def test_kl_cov_with_one_update_per_batch_is_grpo_ds():
+    """With one optimizer update per batch the update's log-probs are the old ones (verl 0.9.1 takes
+    log_prob.detach() as old when on-policy), so KL-Cov's penalty coef * |log r| is 0 with a 0 gradient:
+    the gradient is the plain policy gradient's to the bit (coef 0). A sweep's KL-Cov cell ran 23 steps
+    bit-identical to GRPO-ds (docs/real-model-exploration.md); `method_warnings` now says so up front.
+    Off-policy (old != current on the penalised tokens) the penalty moves the gradient."""
+    g = torch.Generator().manual_seed(0)
+    adv = torch.randn(4, 9, generator=g, dtype=torch.float64)
+    mask = (torch.rand(4, 9, generator=g) > 0.2).double()
+    base = -torch.rand(4, 9, generator=g, dtype=torch.float64) * 3
+
+    def grad(old_shift: float, coef: float) -> torch.Tensor:
+        lp = base.clone().requires_grad_(True)
+        loss, _ = kl_cov_loss(lp, lp.detach() + old_shift, adv, mask, ratio_frac=0.2, coef=coef)
+        loss.backward()
+        return lp.grad
+
+    assert torch.equal(grad(0.0, 1.0), grad(0.0, 0.0))  # on-policy: the penalty adds exactly nothing
+    assert not torch.equal(grad(0.01, 1.0), grad(0.01, 0.0))  # a later update of the batch: it acts
+
+
 def test_entro_adv_hand_computed():
     # A' = A + min(0.4 H, |A| / 2): A=1,H=1 -> 1 + min(0.4, 0.5) = 1.4; A=-1,H=2 -> -1 + min(0.8, 0.5) = -0.5
     out = entro_adv(torch.tensor([1.0, -1.0]), torch.tensor([1.0, 2.0]), alpha=0.4, kappa=2.0)

@@ -287,3 +287,18 @@ def test_dynamic_sampling_filters_on_accuracy_not_on_the_shaped_reward():
     keep, dropped = layer.keep_groups(acc, torch.tensor([0, 0, 1, 1, 2]))
     assert keep.tolist() == [False, False, False, False, True] and dropped == 2
     assert MethodLayer.from_recipe(load_recipe("tiny/arith", "grpo")).keep_groups(acc, torch.zeros(5))[0].all()
+
+
+def test_a_recipe_that_makes_kl_cov_grpo_ds_says_so(cli, quick_toy):
+    """KL-Cov with one optimizer update per batch trains exactly as GRPO-ds
+    (tests/test_baselines.py::test_kl_cov_with_one_update_per_batch_is_grpo_ds): said before any work,
+    naming the keys; not said where a batch has two updates or two epochs, nor for other methods."""
+    from stare_cli.method.layer import method_warnings
+
+    (w,) = method_warnings(load_recipe("tiny/arith", "kl-cov"))  # 16 prompts per batch and per update
+    assert "kl-cov trains exactly as grpo-ds" in w and "optim.mini_batch_size = optim.train_batch_size = 16" in w
+    assert method_warnings(load_recipe("tiny/arith", "kl-cov", ["optim.mini_batch_size=8", "optim.micro_batch_size=64"])) == []
+    assert method_warnings(load_recipe("tiny/arith", "kl-cov", ["optim.ppo_epochs=2"])) == []
+    assert all(method_warnings(load_recipe("tiny/arith", m)) == [] for m in METHODS if m != "kl-cov")
+    code, _, err = cli("train", "--recipe", "tiny/arith", "--method", "kl-cov", "--dry-run", "-o", f"model.path={quick_toy}")
+    assert code == 0 and err.startswith("warning: kl-cov trains exactly as grpo-ds"), err

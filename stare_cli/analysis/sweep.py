@@ -195,6 +195,7 @@ def run_sweep(spec: SweepSpec, out: Optional[Path] = None, parallel: Optional[in
     `result.failed` lists failed cells (the CLI exits 1 when there are any)."""
     from stare_cli.backends import check as check_backend
     from stare_cli.core.resolve import load_recipe
+    from stare_cli.method.layer import method_warnings
 
     if not spec.methods or not spec.seeds:
         raise UsageError("a sweep needs at least one --method and one --seed")
@@ -212,9 +213,13 @@ def run_sweep(spec: SweepSpec, out: Optional[Path] = None, parallel: Optional[in
         raise UsageError("the verl backend runs a sweep's cells one after another", hint="drop --parallel")
     if emit_script is not None and not verl:
         raise UsageError("--emit-script writes verl job scripts", hint="add --backend verl")
+    notes = []
     for m in spec.methods:  # every cell's recipe resolves and the backend takes it, before anything runs
         cfg = load_recipe(spec.recipe, m, [*spec.overrides, *([f"backend.name={spec.backend}"] if spec.backend else [])])
         check_backend(cfg)
+        notes += method_warnings(cfg)
+    for w in notes:  # before any cell runs (each cell's log says it again)
+        print(f"warning: {w}", file=stream or sys.stderr, flush=True)
     parallel = 1 if verl else (parallel or max(1, (os.cpu_count() or 1) // threads))
     out = Path(out) if out is not None else spec.default_dir()
     refuse_run_dir_as_parent(out)  # a sweep folder holds run directories; it is never one

@@ -60,6 +60,26 @@ from stare_cli.core.config import Recipe
 from stare_cli.core.resolve import check_method
 
 
+# -------------------------------------------------------------------------------------- warnings
+def method_warnings(recipe: Recipe) -> list[str]:
+    """What the recipe makes of its method that its name does not say, one line each ([] for most).
+
+    KL-Cov adds coef * |log pi - log pi_old| on its selected tokens. With one optimizer update per batch
+    (optim.mini_batch_size = optim.train_batch_size, optim.ppo_epochs 1) that update's log-probs are the
+    old ones (verl 0.9.1 takes `log_prob.detach()` as old when on-policy; the embedded trainer's old pass
+    gives the same bits), so the penalty is 0 with a 0 gradient and the run trains exactly as GRPO-ds
+    (tests/test_baselines.py::test_kl_cov_with_one_update_per_batch_is_grpo_ds)."""
+    spec = check_method(recipe.method.name)
+    O = recipe.optim
+    out = []
+    if spec.loss == "kl_cov" and O.mini_batch_size == O.train_batch_size and O.ppo_epochs == 1:
+        out.append(f"{spec.name} trains exactly as grpo-ds under this recipe: with one optimizer update per batch "
+                   f"(optim.mini_batch_size = optim.train_batch_size = {O.train_batch_size}, optim.ppo_epochs 1) "
+                   f"its penalty |log pi - log pi_old| is 0 with a 0 gradient; it acts from a batch's second update "
+                   f"on (optim.mini_batch_size below optim.train_batch_size), or use clip-cov, which acts on-policy")
+    return out
+
+
 # --------------------------------------------------------------------------------------- records
 @dataclass
 class RolloutScores:
