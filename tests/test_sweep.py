@@ -329,6 +329,29 @@ def test_a_cell_that_prints_more_than_a_pipe_holds_still_finishes(tmp_path, monk
     assert cells[0].state == "done" and cells[0].exit_code == 0 and cells[0].run_dir == "/runs/the-run-dir"
 
 
+def test_a_command_runs_only_the_cells_it_names(tmp_path, monkeypatch):
+    """Issue 48's sweep swapped its covariance baseline (KL-Cov for Clip-Cov): the command without
+    `-m kl-cov` still trained the earlier command's KL-Cov cells, since every unfinished cell in the
+    manifest ran. Now a command runs the cells it names; the others stay in the manifest as they were."""
+    from stare_cli.analysis import sweep
+
+    ran = tmp_path / "ran"
+    ran.mkdir()
+    script = f"import sys, pathlib; pathlib.Path({str(ran)!r}, sys.argv[1]).touch(); print('/runs/x')"
+    monkeypatch.setattr(sweep, "_train_command", lambda spec, out, cell, *a: [sys.executable, "-c", script, cell.name])
+    out = tmp_path / "sw"
+    (out / "logs").mkdir(parents=True)
+    spec = sweep.SweepSpec(recipe="tiny/arith", methods=("grpo-ds", "clip-cov"), seeds=(1,))
+    cells = [sweep.Cell("grpo-ds", 1), sweep.Cell("clip-cov", 1),
+             sweep.Cell("kl-cov", 1, state="interrupted"), sweep.Cell("grpo-ds", 2)]
+    lines = []
+    sweep._train_cells(spec, out, cells, 2, 1, lines.append)
+    assert sorted(p.name for p in ran.iterdir()) == ["clip-cov-seed1", "grpo-ds-seed1"]
+    assert [c.state for c in cells] == ["done", "done", "interrupted", "pending"]
+    assert lines[0].endswith(": 2 cells (0 already finished, 2 to run, 2 at a time)")
+    assert "kl-cov-seed1 (interrupted) is not named by this command: not run" in lines[1]
+
+
 def test_evaluations_are_paired_by_seed_against_the_first_method(tmp_path):
     """Issue 48: held-out results at each step, each method minus the baseline, paired by seed."""
     from stare_cli.analysis.sweep import _run_evaluations, paired_differences, report_markdown

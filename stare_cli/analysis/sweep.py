@@ -114,7 +114,9 @@ def _load_manifest(out: Path, spec: SweepSpec) -> list[Cell]:
         old = {(c["method"], c["seed"]): Cell(**c) for c in data.get("cells", [])}
     # seed-major: a sweep stopped part-way holds whole seeds (every method), which pair by seed
     cells = [old.pop((m, s), Cell(m, s)) for s in spec.seeds for m in spec.methods]
-    return cells + list(old.values())  # cells of earlier invocations stay in the manifest and the table
+    # cells of earlier commands stay in the manifest and, once finished, in the table; only the cells a
+    # command names are run by it
+    return cells + list(old.values())
 
 
 def _save_manifest(out: Path, spec: SweepSpec, cells: list[Cell]) -> None:
@@ -408,17 +410,22 @@ def _share_left(run_dir: Optional[Path]) -> float:
 
 def _train_cells(spec: SweepSpec, out: Path, cells: list[Cell], parallel: int, threads: int, log: _Log) -> None:
     todo: list[Cell] = []
+    unnamed: list[Cell] = []  # an earlier command's unfinished cells: left as they are
     for c in cells:
         rd = cell_run_dir(out, c)
         c.run_dir = str(rd) if rd else None
         if rd is not None and run_finished(rd):
             c.state = "done"
+        elif c.method not in spec.methods or c.seed not in spec.seeds:
+            unnamed.append(c)
         else:
             c.state = "pending"
             todo.append(c)
     _save_manifest(out, spec, cells)
-    skipped = len(cells) - len(todo)
-    log(f"sweep {out}: {len(cells)} cells ({skipped} already finished, {len(todo)} to run, {parallel} at a time)")
+    named = len(cells) - len(unnamed)
+    log(f"sweep {out}: {named} cells ({named - len(todo)} already finished, {len(todo)} to run, {parallel} at a time)")
+    for c in unnamed:
+        log(f"{c.name} ({c.state}) is not named by this command: not run (name its method and seed to run it)")
     if not todo:
         return
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": "PASSIVE"}
