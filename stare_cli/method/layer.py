@@ -67,8 +67,10 @@ def method_warnings(recipe: Recipe) -> list[str]:
     KL-Cov adds coef * |log pi - log pi_old| on its selected tokens. With one optimizer update per batch
     (optim.mini_batch_size = optim.train_batch_size, optim.ppo_epochs 1) that update's log-probs are the
     old ones (verl 0.9.1 takes `log_prob.detach()` as old when on-policy; the embedded trainer's old pass
-    gives the same bits), so the penalty is 0 with a 0 gradient and the run trains exactly as GRPO-ds
-    (tests/test_baselines.py::test_kl_cov_with_one_update_per_batch_is_grpo_ds)."""
+    runs the update's own micro-batches, so on a deterministic device it gives the same bits), so the
+    penalty is 0 with a 0 gradient and the run trains exactly as GRPO-ds
+    (tests/test_baselines.py::test_kl_cov_with_one_update_per_batch_is_grpo_ds; issue 48's KL-Cov cell: 23
+    steps bit-identical to GRPO-ds on the CPU)."""
     spec = check_method(recipe.method.name)
     O = recipe.optim
     out = []
