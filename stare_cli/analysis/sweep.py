@@ -39,7 +39,8 @@ from typing import Optional, TextIO
 
 from stare_cli.core.errors import Interrupted, StareError, UsageError
 from stare_cli.analysis.plots import plot_evals_over_training
-from stare_cli.core.runs import atomic_write_text, hold_run_lock, make_out_dir, read_jsonl, refuse_run_dir_as_parent, run_finished
+from stare_cli.core.runs import (atomic_write_text, hold_run_lock, make_out_dir, read_jsonl, refuse_run_dir_as_parent,
+                                 run_finished, run_total_steps)
 
 MANIFEST = "sweep.json"
 
@@ -379,10 +380,12 @@ class _SweepClock:
                     pass
         return statistics.fmean(times) if times else None
 
-    def left(self, running: dict[str, "_Running"], todo: list[Cell]) -> Optional[float]:
+    def left(self, running: dict[str, "_Running"], todo: list[Cell],
+             progress: Optional[dict[str, CellProgress]] = None) -> Optional[float]:
+        """Seconds until the sweep ends; `progress`: the running cells' `_cell_progress`, when already read."""
         lefts: list[Optional[float]] = []
         for name, r in running.items():
-            p = _cell_progress(self.out, name)
+            p = progress[name] if progress is not None else _cell_progress(self.out, name)
             if p.left_s is None:  # before its first step line: its method's cost, less the steps it has run
                 cost = self.cost(r.cell.method)
                 lefts.append(None if cost is None else cost * _share_left(cell_run_dir(self.out, r.cell)))
@@ -396,16 +399,11 @@ class _SweepClock:
 
 def _share_left(run_dir: Optional[Path]) -> float:
     """The share of a cell's steps still to run: 1 for a cell without a run directory or steps yet."""
-    if run_dir is None:
+    total = run_total_steps(run_dir) if run_dir is not None else None
+    if not total:
         return 1.0
-    try:
-        import yaml
-
-        total = int(yaml.safe_load((run_dir / "config.yaml").read_text())["optim"]["total_steps"])
-        steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if "step" in r]
-    except (OSError, ValueError, KeyError, TypeError):
-        return 1.0
-    return max(0.0, 1.0 - max(steps, default=0) / total) if total > 0 else 1.0
+    steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if "step" in r]
+    return max(0.0, 1.0 - max(steps, default=0) / total)
 
 
 def _train_cells(spec: SweepSpec, out: Path, cells: list[Cell], parallel: int, threads: int, log: _Log) -> None:
@@ -441,8 +439,9 @@ def _train_cells(spec: SweepSpec, out: Path, cells: list[Cell], parallel: int, t
     try:
         while running or (todo and not got):
             if running and time.time() >= next_progress:  # the cells' own step lines: step, rate, ETA
-                left = clock.left(running, todo)
-                log("progress: " + "; ".join(_cell_progress(out, name).text for name in running)
+                progress = {name: _cell_progress(out, name) for name in running}
+                left = clock.left(running, todo, progress)
+                log("progress: " + "; ".join(p.text for p in progress.values())
                     + ("" if left is None else f"; sweep ETA {_fmt_s(left)}"))
                 next_progress = time.time() + PROGRESS_EVERY_S
             while todo and len(running) < parallel and not got:

@@ -436,14 +436,21 @@ def hold_run_lock(run_dir: Path, doing: str = "trained"):
     return f
 
 
-def run_finished(run_dir: Path) -> bool:
-    """Whether a run directory's newest checkpoint is its last step (config.yaml's optim.total_steps),
-    for either backend's checkpoint layout."""
+def run_total_steps(run_dir: Path) -> int | None:
+    """A run directory's optim.total_steps (its config.yaml), None when unreadable."""
     import yaml
 
     try:
-        total = yaml.safe_load((run_dir / "config.yaml").read_text())["optim"]["total_steps"]
-    except (OSError, KeyError, TypeError, yaml.YAMLError):
+        return int(yaml.safe_load((run_dir / "config.yaml").read_text())["optim"]["total_steps"])
+    except (OSError, KeyError, TypeError, ValueError, yaml.YAMLError):
+        return None
+
+
+def run_finished(run_dir: Path) -> bool:
+    """Whether a run directory's newest checkpoint is its last step (config.yaml's optim.total_steps),
+    for either backend's checkpoint layout."""
+    total = run_total_steps(run_dir)
+    if total is None:
         return False
     ckpt, _ = usable_checkpoint(run_dir)
     if ckpt is not None:
