@@ -478,8 +478,8 @@ def compare(
     baseline: Annotated[Optional[str], typer.Option(help="Method for the delta column, e.g. grpo-ds.")] = None,
     metric: Annotated[str, typer.Option(help="avg (avg@N), pass@k or maj@k, e.g. pass@8.")] = "avg",
     plot: Annotated[Optional[Path], typer.Option(help="Write training-dynamics and pass@k plots (PNG, SVG) here.")] = None,
-    ci: Annotated[bool, typer.Option("--ci", help="95% bootstrap intervals: over seeds where a row has several, "
-                                     "else over problems.")] = False,
+    ci: Annotated[bool, typer.Option("--ci", help="Intervals: over seeds where a row has several (95% t for 3+, "
+                                     "the range for 2), else the 95% bootstrap over problems.")] = False,
     cards: Annotated[bool, typer.Option("--cards", help="A table of the training runs' reproduction cards "
                                         "(REPRODUCE.md: commit, recipe hash, steps, packages) instead.")] = False,
     step: Annotated[Optional[int], typer.Option(min=0, help="Runs: their own evaluation at this training step "

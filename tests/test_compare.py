@@ -195,12 +195,14 @@ def test_pass_at_k_curves_average_a_labels_seeds_with_an_interval(tmp_path):
 
     rs = [r("stare-o1", 1, 10.0, 30.0, "a"), r("stare-o1", 2, 20.0, 50.0, "b"), r("grpo-ds", 1, 5.0, 9.0, "c")]
     curves = passk_curves(rs, "aime24")
-    mean = curves["STARE-O1 (2 seeds, mean, 95% CI)"]
+    mean = curves["STARE-O1 (2 seeds, mean, range)"]
     assert mean.ks == [1, 2, 4]
     assert mean.mean == [15.0, 20.0, 40.0]  # (10 + 20) / 2, (15 + 25) / 2, (30 + 50) / 2
-    # a bootstrap of two values: its interval lies within them and holds the mean
-    assert all(lo <= m <= hi for lo, m, hi in zip(mean.lo, mean.mean, mean.hi))
-    assert 10.0 <= mean.lo[0] and mean.hi[0] <= 20.0
+    assert mean.lo == [10.0, 15.0, 30.0] and mean.hi == [20.0, 25.0, 50.0]  # two seeds: their range
+    three = passk_curves([*rs, r("stare-o1", 3, 30.0, 70.0, "d")], "aime24")["STARE-O1 (3 seeds, mean, 95% t-interval)"]
+    # pass@1 10, 20, 30: mean 20, sd 10, half width t_{0.975,2} 4.303 x 10 / sqrt(3) = 24.844
+    assert three.mean[0] == 20.0 and three.lo[0] == pytest.approx(20.0 - 24.844, abs=1e-3)
+    assert three.hi[0] == pytest.approx(20.0 + 24.844, abs=1e-3)
     single = curves["GRPO-ds (seed 1)"]  # one run: its own curve, no interval
     assert single.mean == [5.0, 10.0, 9.0] and single.lo == []
     # two runs of one label with the same seed are two runs, not seeds: drawn apart

@@ -401,9 +401,30 @@ def test_summary_carries_each_methods_own_numbers():
     methods = {name: {"seeds": {1: x}, "over_seeds": seeds_summary([x]), "evaluations": {}}
                for name, x in (("stapo", s), ("cov-kernel", k), ("grpo-ds", g), ("stare-o1", st), ("kl-cov", kl))}
     report = report_markdown({"settings": {"recipe": "tiny/explore"}, "methods": methods})
-    z = "0.0000 ± 0.0000 [0.0000, 0.0000]"
-    assert f"| stapo | {z} | – | – | 0.0100 ± 0.0000 [0.0100, 0.0100] | – | – |" in report
+    z = "0.0000"  # one seed each: the value alone, no spread and no interval
+    assert f"| stapo | {z} | – | – | 0.0100 | – | – |" in report
     assert f"| grpo-ds | {z} | – | – | – | – | – |" in report
-    assert f"| stare-o1 | 0.5000 ± 0.0000 [0.5000, 0.5000] | 0.0300 ± 0.0000 [0.0300, 0.0300] | {z} | – | – | – |" \
-        in report
-    assert f"| kl-cov | {z} | – | – | – | – | 0.0020 ± 0.0000 [0.0020, 0.0020] |" in report
+    assert f"| stare-o1 | 0.5000 | 0.0300 | {z} | – | – | – |" in report
+    assert f"| kl-cov | {z} | – | – | – | – | 0.0020 |" in report
+
+
+def test_over_seeds_a_sweep_gives_the_same_interval_as_compare():
+    """The report's interval over seeds is `seed_interval`'s, as `stare compare --ci` and the paired
+    differences: a 95% t-interval for 3+ seeds, the range for 2, none for one. (It was a percentile
+    bootstrap, which over 4 seeds is about half as wide as the t-interval: it resamples 4 values and
+    takes no account of the spread being estimated from them.)"""
+    from stare_cli.analysis.sweep import over_seeds_text, report_markdown, seeds_summary
+
+    four = seeds_summary([{"acc": v} for v in (0.1, 0.2, 0.3, 0.6)])["acc"]
+    # mean 0.3; squared deviations 0.04 + 0.01 + 0 + 0.09 = 0.14, /3 -> sd 0.216025;
+    # half width t_{0.975,3} 3.182 x 0.216025 / sqrt(4) = 0.343696
+    assert four["mean"] == pytest.approx(0.3) and four["std"] == pytest.approx(0.216025, abs=1e-6)
+    assert four["ci95"] == pytest.approx([0.3 - 0.343696, 0.3 + 0.343696], abs=1e-6) and four["kind"] == "t95"
+    assert over_seeds_text(four, 3) == "0.300 ± 0.216 [-0.044, 0.644]"
+    two = seeds_summary([{"acc": 0.2}, {"acc": 0.4}])["acc"]
+    assert two["ci95"] == [0.2, 0.4] and two["kind"] == "range"  # the two values themselves
+    one = seeds_summary([{"acc": 0.25}])["acc"]
+    assert one["ci95"] is None and one["kind"] == "one seed" and over_seeds_text(one, 2, 100) == "25.00"
+    report = report_markdown({"settings": {"recipe": "r"}, "methods": {"m": {"seeds": {1: {}, 2: {}, 3: {}, 4: {}},
+                                                                             "over_seeds": {}, "evaluations": {}}}})
+    assert "Mean ± std over seeds [95% t-interval for 3+ seeds, the range for 2]; one seed: its value" in report

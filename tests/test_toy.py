@@ -118,7 +118,7 @@ def test_strategy_table_over_seeds(tmp_path, cli):
     code, out, err = cli("toy", "strategies", str(sweep))
     assert code == 0, err
     # grpo-ds: sub-first shares 1/4 and 3/4 -> mean 50.0, sample std 35.4; stare-o1: 2/4 = 50.0 over 1 seed
-    assert "| grpo-ds | step-000200 n=4 | 2 | 50.0 ± 35.4" in out
-    assert "| stare-o1 | step-000200 n=4 | 1 | 50.0 ± 0.0 [50.0, 50.0] | 100.0" in out
+    assert "| grpo-ds | step-000200 n=4 | 2 | 50.0 ± 35.4 [25.0, 75.0]" in out  # two seeds: their range
+    assert "| stare-o1 | step-000200 n=4 | 1 | 50.0 | 100.0" in out  # one seed: the value alone
     code, _, err = cli("toy", "strategies", str(tmp_path / "nowhere"))
     assert code == 1 and "not a sweep manifest" in err

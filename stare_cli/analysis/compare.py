@@ -745,8 +745,9 @@ class PassKCurve:
 
 def passk_curves(results: list[Result], bench: str) -> dict[str, PassKCurve]:
     """The pass@k curves to draw for a benchmark, by legend entry: the seeds of one label (several
-    runs with distinct seeds) become one mean curve with an interval; everything else one curve per run."""
-    from benchmarks.evaluation.metrics import bootstrap_ci
+    runs with distinct seeds) become one mean curve with `seed_interval`'s interval (95% t for 3+ seeds,
+    the range for 2); everything else one curve per run."""
+    from benchmarks.evaluation.metrics import seed_interval
 
     labels = dict(zip(map(id, results), legend_labels(results)))
     by_label: dict[str, list[Result]] = {}
@@ -759,8 +760,9 @@ def passk_curves(results: list[Result], bench: str) -> dict[str, PassKCurve]:
         if len(rs) > 1 and len({r.seed for r in rs}) == len(rs) and all(ks == ks_of[0] for ks in ks_of):
             ks = ks_of[0]
             vals = [[r.metrics[bench][f"pass@{k}"] for r in rs] for k in ks]
-            cis = [bootstrap_ci(v) for v in vals]
-            out[f"{_title(label)} ({len(rs)} seeds, mean, 95% CI)"] = PassKCurve(
+            cis = [seed_interval(v) for v in vals]
+            what = {"t95": "95% t-interval", "range": "range"}[cis[0][2]]
+            out[f"{_title(label)} ({len(rs)} seeds, mean, {what})"] = PassKCurve(
                 ks, [sum(v) / len(v) for v in vals], [c[0] for c in cis], [c[1] for c in cis])
         else:
             for r, ks in zip(rs, ks_of):

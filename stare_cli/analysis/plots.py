@@ -129,7 +129,7 @@ def plot_dynamics(runs: dict[str, list[list[dict]]], out_base: Path, h_tgt: Opti
 
 def plot_evals_over_training(evaluations: dict[str, dict[str, dict]], out_base: Path) -> list[Path]:
     """pass@1 and pass@N against the training step, per benchmark and method: the mean over seeds
-    with its 95% interval shaded. `evaluations` maps a method to `sweep.eval_summary`'s output
+    with its interval shaded (`seeds_summary`'s: 95% t for 3+ seeds, the range for 2, none for one). `evaluations` maps a method to `sweep.eval_summary`'s output
     ('<bench> n=<N> step=<S>' -> metric -> {'mean', 'ci95'}). Only protocols evaluated at two or
     more steps are drawn; returns [] when there are none."""
     series: dict[tuple[str, int], dict[str, dict[int, dict]]] = {}  # (bench, n) -> method -> step -> metrics
@@ -158,8 +158,10 @@ def plot_evals_over_training(evaluations: dict[str, dict[str, dict]], out_base: 
                 px = [x for x, _ in pts]
                 ax.plot(px, [m["mean"] for _, m in pts], style, marker="o", markersize=3,
                         color=colors[ci % len(colors)], label=f"{method} {metric}")
-                ax.fill_between(px, [m["ci95"][0] for _, m in pts], [m["ci95"][1] for _, m in pts],
-                                color=colors[ci % len(colors)], alpha=0.15, linewidth=0)
+                band = [(x, m["ci95"]) for x, m in pts if m.get("ci95")]  # none for one seed
+                if band:
+                    ax.fill_between([x for x, _ in band], [c[0] for _, c in band], [c[1] for _, c in band],
+                                    color=colors[ci % len(colors)], alpha=0.15, linewidth=0)
         ax.set_title(f"{bench} (n={n})")
         _step_axis(ax)
         ax.set_ylabel("%")

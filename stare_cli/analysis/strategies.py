@@ -14,7 +14,7 @@ from typing import Optional
 
 from benchmarks.data.registry import dir_name
 from benchmarks.evaluation.evaluate import latest_grader_results
-from stare_cli.analysis.sweep import over_seeds_text, seeds_summary
+from stare_cli.analysis.sweep import SEED_INTERVALS, over_seeds_text, seeds_summary
 from stare_cli.core.errors import StareError
 from stare_cli.core.runs import read_jsonl
 
@@ -85,7 +85,7 @@ def strategy_table(sweep_dir: Path, bench: str = "toy:explore-hard") -> str:
     if not per:
         raise StareError(f"{sweep_dir}: no evaluation of {bench} with samples", hint=f"sweep with --eval {bench}")
     cols = ("sub_first", "acc_sub_first", "acc_add_first")
-    lines = [f"Strategies on {bench} (mean ± std over seeds [95% bootstrap interval], in %)", "",
+    lines = [f"Strategies on {bench} ({SEED_INTERVALS}; in %)", "",
              "| method | evaluation | seeds | " + " | ".join(cols) + " |", "|---|---|---|" + "---|" * len(cols)]
     for (method, key), vals in sorted(per.items(), key=lambda kv: (kv[0][1].split()[1], kv[0][1], kv[0][0])):
         o = seeds_summary(vals)

@@ -589,8 +589,10 @@ def _logged_mean(rows: list[dict], key: str, name: str, tail: bool = True) -> di
 
 
 def seeds_summary(per_seed: list[dict]) -> dict:
-    """Mean, sample std and 95% bootstrap interval over seeds of every numeric summary value."""
-    from benchmarks.evaluation.metrics import bootstrap_ci
+    """Mean, sample std and interval over seeds of every numeric summary value: {key: {"mean", "std", "n",
+    "ci95", "kind"}}, the interval `seed_interval`'s (95% t for 3+ seeds, the range for 2, as `stare compare
+    --ci` and the paired differences), none for one seed ("ci95" None, std 0)."""
+    from benchmarks.evaluation.metrics import seed_interval
 
     out: dict[str, dict] = {}
     keys = [k for k in per_seed[0] if isinstance(per_seed[0][k], (int, float)) and not isinstance(per_seed[0][k], bool)]
@@ -598,8 +600,9 @@ def seeds_summary(per_seed: list[dict]) -> dict:
         vals = [float(s[k]) for s in per_seed if s.get(k) is not None]
         if not vals:
             continue
+        lo, hi, kind = seed_interval(vals) if len(vals) > 1 else (None, None, "one seed")
         out[k] = {"mean": statistics.fmean(vals), "std": statistics.stdev(vals) if len(vals) > 1 else 0.0,
-                  "n": len(vals), "ci95": list(bootstrap_ci(vals)) if len(vals) > 1 else [vals[0], vals[0]]}
+                  "n": len(vals), "ci95": None if lo is None else [lo, hi], "kind": kind}
     return out
 
 
@@ -692,18 +695,25 @@ def paired_differences(method: dict[int, dict[str, dict]], baseline: dict[int, d
     return out
 
 
+SEED_INTERVALS = "mean ± std over seeds [95% t-interval for 3+ seeds, the range for 2]; one seed: its value"
+
+
 def over_seeds_text(o: Optional[dict], digits: int, scale: float = 1.0) -> str:
-    """One `seeds_summary` entry as "mean ± std [lo, hi]" (values times `scale`), "–" when absent."""
+    """One `seeds_summary` entry as "mean ± std [lo, hi]" (values times `scale`), the value alone for one
+    seed, "–" when absent."""
     if not o:
         return "–"
-    m, sd, (lo, hi) = (scale * o["mean"], scale * o["std"], (scale * v for v in o["ci95"]))
+    m = scale * o["mean"]
+    if not o.get("ci95"):
+        return f"{m:.{digits}f}"
+    sd, (lo, hi) = scale * o["std"], (scale * v for v in o["ci95"])
     return f"{m:.{digits}f} ± {sd:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"
 
 
 def report_markdown(summary: dict) -> str:
     """summary.json as tables: the Fig. 3 numbers, then each evaluation's pass@k over seeds."""
     lines = [f"# Sweep report: {summary['settings']['recipe']}", "",
-             "Mean ± std over seeds [95% bootstrap interval]; n = seeds.", ""]
+             f"{SEED_INTERVALS[0].upper()}{SEED_INTERVALS[1:]}; n = seeds.", ""]
     methods = summary["methods"]
     keys = ("entropy_start", "entropy_end", "entropy_2nd_half_mean", "slope_2nd_half_per_100", "train_reward_last",
             "len_end", "reflection_rate_end")
