@@ -59,6 +59,9 @@ def test_sweep_killed_midway_finishes_like_an_uninterrupted_one(cli, tmp_path, q
     assert summary["methods"]["grpo-ds"]["evaluations"]["toy:arith n=1 step=4"]["avg@1"]["n"] == 2
     log = (ref / "sweep.log").read_text()
     assert log.count(" done in ") == 4 and "ETA" in log
+    # the report was written over the first finished cell while the others ran, then over all four
+    assert f"report of the 1 of 4 cells finished so far: {ref / 'report.md'}" in log
+    assert report.startswith("# Sweep report: tiny/arith\n\nCells: 4 of 4 finished\n") and "interim" not in report
 
     # the same sweep in a process of its own, killed with SIGKILL once a cell has checkpointed twice
     b = tmp_path / "b"
@@ -428,3 +431,56 @@ def test_over_seeds_a_sweep_gives_the_same_interval_as_compare():
     report = report_markdown({"settings": {"recipe": "r"}, "methods": {"m": {"seeds": {1: {}, 2: {}, 3: {}, 4: {}},
                                                                              "over_seeds": {}, "evaluations": {}}}})
     assert "Mean ± std over seeds [95% t-interval for 3+ seeds, the range for 2]; one seed: its value" in report
+
+
+def test_the_report_covers_the_finished_cells_while_others_run_and_when_the_sweep_is_stopped(tmp_path, monkeypatch):
+    """A sweep of 12 cells runs for most of a day (issue 48): its report is written over the cells finished
+    so far after each finished cell while others are still to run, and when the sweep is stopped; a report
+    that fails is a warning in the log, not the end of the sweep. Its first line says what it holds."""
+    from stare_cli.analysis import sweep
+    from stare_cli.core.errors import Interrupted
+
+    monkeypatch.setattr(sweep, "_train_command", lambda *a, **k: [sys.executable, "-c", "print('/runs/x')"])
+    out = tmp_path / "sw"
+    (out / "logs").mkdir(parents=True)
+    spec = sweep.SweepSpec(recipe="tiny/arith", methods=("grpo-ds",), seeds=(1, 2, 3))
+    cells = [sweep.Cell("grpo-ds", s) for s in (1, 2, 3)]
+    calls: list[list[str]] = []
+    sweep._train_cells(spec, out, cells, 1, 1, lambda m: None,
+                       on_done=lambda: calls.append([c.name for c in cells if c.state == "done"]))
+    assert calls == [["grpo-ds-seed1"], ["grpo-ds-seed1", "grpo-ds-seed2"]]  # not after the last: the final report
+
+    reports: list[tuple[list[str], int]] = []
+    monkeypatch.setattr(sweep, "_report", lambda spec, out, done, paper, cells: reports.append(
+        ([c.name for c in done], len(cells))))
+
+    def stopped(spec, out, cells, *a):
+        cells[0].state = "done"
+        cells[1].state = "interrupted"
+        raise Interrupted("sweep interrupted", 130)
+
+    monkeypatch.setattr(sweep, "_train_cells", stopped)
+    out = tmp_path / "sw2"  # a new sweep: three pending cells
+    (out / "logs").mkdir(parents=True)
+    lines: list[str] = []
+    monkeypatch.setattr(sweep, "_Log", lambda path, stream: type("L", (), {"__call__": lambda self, m: lines.append(m),
+                                                                            "close": lambda self: None})())
+    with pytest.raises(Interrupted):
+        sweep._run_sweep_locked(spec, out, 1, 1, None, None, None, None)
+    assert reports == [(["grpo-ds-seed1"], 3)]
+    assert lines == [f"report of the 1 of 3 cells finished so far: {out / 'report.md'}"]
+
+    def broken(*a):
+        raise ValueError("boom")
+
+    monkeypatch.setattr(sweep, "_report", broken)
+    lines.clear()
+    with pytest.raises(Interrupted):  # the sweep's own outcome, not the report's error
+        sweep._run_sweep_locked(spec, out, 1, 1, None, None, None, None)
+    assert lines == ["warning: the report of the 1 finished cells was not written: ValueError: boom"]
+
+    text = sweep.report_markdown({"settings": {"recipe": "r"}, "methods": {},
+                                  "cells": {"finished": ["grpo-ds-seed1"],
+                                            "not_finished": {"grpo-ds-seed2": "interrupted", "grpo-ds-seed3": "pending"}}})
+    assert text.splitlines()[2] == ("Cells: 1 of 3 finished; **interim**: the tables hold the finished cells only; "
+                                    "not in them: grpo-ds-seed2 (interrupted), grpo-ds-seed3 (pending)")

@@ -8,7 +8,9 @@ A sweep directory holds
                    `stare compare` work on it)
     logs/<method>-seed<k>.log          each cell's own log (stderr: progress, warnings, errors)
     logs/<method>-seed<k>.out          its stdout (the run directory, last line)
-    table.md, table.csv, dynamics.png/.svg, summary.json   written when the cells are done
+    table.md, table.csv, report.md, summary.json, dynamics.png/.svg, passk*.png/.svg   over the finished
+                   cells: written when the cells are done, and before that after each finished cell and
+                   when the sweep is stopped (report.md's first line says how many of the cells it holds)
 
 Running the same command again is idempotent: a finished cell (its newest checkpoint is its last
 step) is skipped, an interrupted one resumes from its checkpoint (`stare train --resume`), one
@@ -242,13 +244,17 @@ def _run_sweep_locked(spec: SweepSpec, out: Path, parallel: int, threads: int, e
         if emit_script is not None:
             _emit(spec, out, cells, emit_script, shared_dir, log)
             return SweepResult(out, cells)
-        _train_cells(spec, out, cells, parallel, threads, log)
+        try:
+            _train_cells(spec, out, cells, parallel, threads, log, lambda: _interim_report(spec, out, cells, paper, log))
+        except Interrupted:
+            _interim_report(spec, out, cells, paper, log)
+            raise
         done = [c for c in cells if c.state == "done"]
         if spec.evals and done:
             _evaluate_cells(spec, out, done, log)
         result = SweepResult(out, cells)
         if done:
-            result.table, result.plots = _report(spec, out, done, paper)
+            result.table, result.plots = _report(spec, out, done, paper, cells)
         failed = result.failed
         log(f"sweep done: {len(done)} of {len(cells)} cells finished" +
             (f"; failed: {', '.join(f'{c.name} ({c.error})' for c in failed)}" if failed else ""))
@@ -406,7 +412,24 @@ def _share_left(run_dir: Optional[Path]) -> float:
     return max(0.0, 1.0 - max(steps, default=0) / total)
 
 
-def _train_cells(spec: SweepSpec, out: Path, cells: list[Cell], parallel: int, threads: int, log: _Log) -> None:
+def _interim_report(spec: SweepSpec, out: Path, cells: list[Cell], paper: Optional[str], log: _Log) -> None:
+    """The report over the cells finished so far, while others still wait or run (after each finished cell,
+    and when the sweep is stopped); a report that fails says why in the log and the sweep goes on."""
+    done = [c for c in cells if c.state == "done"]
+    if not done:
+        return
+    try:
+        _report(spec, out, done, paper, cells)
+    except Exception as e:  # noqa: BLE001 - a report must not stop the cells training
+        log(f"warning: the report of the {len(done)} finished cells was not written: {type(e).__name__}: {e}")
+        return
+    log(f"report of the {len(done)} of {len(cells)} cells finished so far: {out / 'report.md'}")
+
+
+def _train_cells(spec: SweepSpec, out: Path, cells: list[Cell], parallel: int, threads: int, log: _Log,
+                 on_done=None) -> None:
+    """Run the named unfinished cells, `parallel` at a time, each a `stare train` process; `on_done()` after
+    each cell that finishes while others are still to run (the interim report)."""
     todo: list[Cell] = []
     unnamed: list[Cell] = []  # an earlier command's unfinished cells: left as they are
     for c in cells:
@@ -493,6 +516,8 @@ def _train_cells(spec: SweepSpec, out: Path, cells: list[Cell], parallel: int, t
                 log(f"[{finished}/{len(cells)}] {c.name} {c.state} in {_fmt_s(c.seconds)} (exit {c.exit_code})"
                     f"{'' if c.state == 'done' else ': ' + (c.error or '')}; {len(running)} running, "
                     f"{len(todo)} waiting{eta}")
+                if c.state == "done" and (todo or running) and not got and on_done is not None:
+                    on_done()
             time.sleep(0.2)
     finally:
         for s, h in old.items():
@@ -606,9 +631,11 @@ def seeds_summary(per_seed: list[dict]) -> dict:
     return out
 
 
-def _report(spec: SweepSpec, out: Path, done: list[Cell], paper: Optional[str]) -> tuple[str, list[str]]:
+def _report(spec: SweepSpec, out: Path, done: list[Cell], paper: Optional[str],
+            cells: Optional[list[Cell]] = None) -> tuple[str, list[str]]:
     """table.md / table.csv (`stare compare` over the finished cells), the dynamics plot, and
-    summary.json with the per-seed Fig. 3 numbers and their mean, spread and interval per method."""
+    summary.json with the per-seed Fig. 3 numbers and their mean, spread and interval per method;
+    `cells` (the manifest's) for the count of finished cells and the names of those not yet in it."""
     import yaml
 
     from stare_cli.analysis import compare as C
@@ -635,7 +662,11 @@ def _report(spec: SweepSpec, out: Path, done: list[Cell], paper: Optional[str]) 
         d["evaluations"] = eval_summary([Path(c.run_dir) for c in done if c.method == m])
         if m != baseline:
             d["paired_vs_baseline"] = paired_differences(per_seed_evals[m], per_seed_evals[baseline])
-    summary = {"settings": spec.settings(), "baseline": baseline, "methods": per_method}
+    cells = cells if cells is not None else done
+    summary = {"settings": spec.settings(), "baseline": baseline,
+               "cells": {"finished": [c.name for c in cells if c.state == "done"],
+                         "not_finished": {c.name: c.state for c in cells if c.state != "done"}},
+               "methods": per_method}
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
     atomic_write_text(out / "report.md", report_markdown(summary))
     plots += [str(p) for p in plot_evals_over_training(
@@ -712,8 +743,14 @@ def over_seeds_text(o: Optional[dict], digits: int, scale: float = 1.0) -> str:
 
 def report_markdown(summary: dict) -> str:
     """summary.json as tables: the Fig. 3 numbers, then each evaluation's pass@k over seeds."""
-    lines = [f"# Sweep report: {summary['settings']['recipe']}", "",
-             f"{SEED_INTERVALS[0].upper()}{SEED_INTERVALS[1:]}; n = seeds.", ""]
+    lines = [f"# Sweep report: {summary['settings']['recipe']}", ""]
+    cells = summary.get("cells")
+    if cells:
+        n_done, rest = len(cells["finished"]), cells["not_finished"]
+        lines += [f"Cells: {n_done} of {n_done + len(rest)} finished" + (
+            "" if not rest else "; **interim**: the tables hold the finished cells only; not in them: "
+            + ", ".join(f"{name} ({state})" for name, state in rest.items())), ""]
+    lines += [f"{SEED_INTERVALS[0].upper()}{SEED_INTERVALS[1:]}; n = seeds.", ""]
     methods = summary["methods"]
     keys = ("entropy_start", "entropy_end", "entropy_2nd_half_mean", "slope_2nd_half_per_100", "train_reward_last",
             "len_end", "reflection_rate_end")
