@@ -484,6 +484,9 @@ def compare(
                                         "(REPRODUCE.md: commit, recipe hash, steps, packages) instead.")] = False,
     step: Annotated[Optional[int], typer.Option(min=0, help="Runs: their own evaluation at this training step "
                                                 "(default: each run's last evaluated step).")] = None,
+    same: Annotated[bool, typer.Option("--same", help="Two training runs, RUN RERUN: does the rerun reproduce the "
+                                       "run? Every metric, training sample and evaluation over the steps both logged, "
+                                       "to the bit (timings aside); exit 1 at any difference.")] = False,
 ) -> None:
     """Tables and plots of runs beside the paper's numbers.
 
@@ -493,6 +496,20 @@ def compare(
     import re
 
     from stare_cli.analysis import compare as C
+
+    if same:
+        from stare_cli.analysis.rerun import agreement_text, compare_runs
+
+        if len(runs) != 2:
+            raise UsageError(f"--same takes two run directories, the run and its rerun ({len(runs)} given)",
+                             hint="stare compare RUN RERUN --same")
+        ag = compare_runs(*runs)
+        typer.echo(agreement_text(ag, *runs), nl=False)
+        if not ag.same:
+            raise StareError(f"{runs[1]} does not reproduce {runs[0]}" if ag.steps else "the runs have no step in common",
+                             hint="the lines above name the first differences" if ag.steps else
+                             "compare a run with a rerun of it that has logged a step")
+        return
 
     if cards:
         from stare_cli.core.card import cards_table

@@ -106,10 +106,13 @@ def test_run_directory_is_complete(cli, tmp_path, quick_toy):
     argv = shlex.split(rerun)
     assert argv[:3] == ["stare", "train", "--recipe"] and argv[3] == str(run / "config.yaml")
     argv[argv.index("--out") + 1] = str(tmp_path / "rerun")
-    code, out, err = cli(*argv[1:], "-o", "optim.total_steps=1")
+    code, out, err = cli(*argv[1:])
     assert code == 0, err
     again = Path(out.strip().splitlines()[-1])
-    assert "Status: **finished**, step 1 of 1" in (again / "REPRODUCE.md").read_text()
+    assert "Status: **finished**, step 2 of 2" in (again / "REPRODUCE.md").read_text()
+    # ... and it is the same run: every metric, sample and evaluation to the bit (issue 48)
+    code, out, err = cli("compare", str(run), str(again), "--same")
+    assert code == 0 and out.startswith("same: over steps 1-2 (2 of 2 logged by"), (out, err)
 
 
 def test_dynamic_sampling_drops_groups_and_draws_again(cli, tmp_path, quick_toy):

@@ -7,6 +7,7 @@ of methods and takes their defaults through a callable.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Optional
 
 from baselines.registry import MethodSpec, UnknownMethodError, lookup_method
@@ -29,10 +30,32 @@ def method_defaults(name: str) -> dict[str, Any]:
     return {"method.name": spec.name, **spec.defaults}
 
 
+def run_recipe(name_or_path: Optional[str]) -> Optional[Path]:
+    """The file when `name_or_path` is a run's resolved recipe (a config.yaml beside its run's meta.json)."""
+    if not name_or_path:
+        return None
+    p = Path(name_or_path)
+    return p if p.name == "config.yaml" and p.is_file() and (p.parent / "meta.json").is_file() else None
+
+
 def load_recipe(name_or_path: Optional[str] = None, method: Optional[str] = None,
-                overrides: Optional[list[str]] = None, resolved: bool = False) -> Recipe:
+                overrides: Optional[list[str]] = None, resolved: Optional[bool] = None) -> Recipe:
     """Resolve a recipe: files < the method's defining keys < `-o` overrides; validated. A `resolved`
-    recipe (a run's config.yaml) already holds its method's keys and the overrides it ran with: it is
-    read as it is, plus `overrides` (applying the method's defaults again would undo earlier -o's)."""
+    recipe (a run's config.yaml; by default, any file `run_recipe` finds) already holds its method's keys
+    and the overrides it ran with: it is read as it is, plus `overrides` (applying the method's defaults
+    again would undo earlier -o's, e.g. `method.dynamic_sampling=false`), and `method` must be its own."""
+    if resolved is None:
+        resolved = run_recipe(name_or_path) is not None
+    if resolved and method is not None and name_or_path:
+        import yaml
+
+        try:
+            own = ((yaml.safe_load(Path(name_or_path).read_text()) or {}).get("method") or {}).get("name")
+        except (OSError, yaml.YAMLError, AttributeError):
+            own = None  # compose_recipe reports an unreadable file with its line
+        if own is not None and check_method(method).name != own:
+            raise StareError(f"{name_or_path}: a run's resolved recipe holds method '{own}' with its keys; "
+                             f"--method {method} would train a mix of the two",
+                             hint=f"drop --method, or train {method} from the recipe by name (its `name:` key)")
     defaults = (lambda name: {"method.name": check_method(name).name}) if resolved else method_defaults
     return compose_recipe(name_or_path, method, overrides, defaults)
