@@ -393,6 +393,7 @@ def test_summary_carries_each_methods_own_numbers():
     stare = [{**r, "stare/gate": gt, "stare/sel_pos": p, "stare/sel_neg": 0.0}
              for r, gt, p in zip(base, (0.0, 1.0, 1.0, 0.0), (0.02, 0.04, 0.03, 0.03))]
     klcov = [{**r, "actor/kl_frac": 0.002} for r in base]
+    clipcov = [{**r, "actor/clip_frac": f} for r, f in zip(base, (0.0005, 0.0007, 0.0, 0.0004))]
     s, k, g = dynamics_summary(stapo, 0.3), dynamics_summary(covk, 0.3), dynamics_summary(base, 0.3)
     st, kl = dynamics_summary(stare, 0.3), dynamics_summary(klcov, 0.3)
     assert s["silenced_share"] == pytest.approx(0.01)  # (0 + 0.01 + 0.03 + 0) / 4
@@ -400,15 +401,19 @@ def test_summary_carries_each_methods_own_numbers():
     assert st["gate_on_share"] == 0.5 and st["stare_sel_pos"] == pytest.approx(0.03)  # (2 + 4 + 3 + 3) / 4 %
     assert kl["kl_cov_share"] == pytest.approx(0.002)
     assert "silenced_share" not in g and "kernel_mean_w" not in g and g["gate_on_share"] == 0.0
-    assert "stare_sel_pos" not in g and "kl_cov_share" not in g
+    assert "stare_sel_pos" not in g and "kl_cov_share" not in g and "cut_share" not in g
+    cc = dynamics_summary(clipcov, 0.3)
+    assert cc["cut_share"] == pytest.approx(0.0004)  # (0.0005 + 0.0007 + 0 + 0.0004) / 4
     methods = {name: {"seeds": {1: x}, "over_seeds": seeds_summary([x]), "evaluations": {}}
-               for name, x in (("stapo", s), ("cov-kernel", k), ("grpo-ds", g), ("stare-o1", st), ("kl-cov", kl))}
+               for name, x in (("stapo", s), ("cov-kernel", k), ("grpo-ds", g), ("stare-o1", st), ("kl-cov", kl),
+                               ("clip-cov", cc))}
     report = report_markdown({"settings": {"recipe": "tiny/explore"}, "methods": methods})
     z = "0.0000"  # one seed each: the value alone, no spread and no interval
-    assert f"| stapo | {z} | – | – | 0.0100 | – | – |" in report
-    assert f"| grpo-ds | {z} | – | – | – | – | – |" in report
-    assert f"| stare-o1 | 0.5000 | 0.0300 | {z} | – | – | – |" in report
-    assert f"| kl-cov | {z} | – | – | – | – | 0.0020 |" in report
+    assert f"| stapo | {z} | – | – | 0.0100 | – | – | – |" in report
+    assert f"| grpo-ds | {z} | – | – | – | – | – | – |" in report
+    assert f"| stare-o1 | 0.5000 | 0.0300 | {z} | – | – | – | – |" in report
+    assert f"| kl-cov | {z} | – | – | – | – | 0.0020 | – |" in report
+    assert f"| clip-cov | {z} | – | – | – | – | – | 0.0004 |" in report
 
 
 def test_over_seeds_a_sweep_gives_the_same_interval_as_compare():

@@ -599,6 +599,7 @@ def dynamics_summary(rows: list[dict], h_tgt: float) -> dict:
         **_logged_mean(train, "stare/sel_pos", "stare_sel_pos", tail=False),
         **_logged_mean(train, "stare/sel_neg", "stare_sel_neg", tail=False),
         **_logged_mean(train, "actor/kl_frac", "kl_cov_share", tail=False),
+        **_logged_mean(train, "actor/clip_frac", "cut_share", tail=False),
         "h_tgt": h_tgt,
     }
 
@@ -760,10 +761,10 @@ def report_markdown(summary: dict) -> str:
         cells = [over_seeds_text(o.get(k), 3) for k in keys]
         lines.append(f"| {m} | {len(d['seeds'])} | " + " | ".join(cells) + " |")
     own = ("gate_on_share", "stare_sel_pos", "stare_sel_neg", "silenced_share", "kernel_mean_w",
-           "kl_cov_share")  # what each method did, averaged over its steps
+           "kl_cov_share", "cut_share")  # what each method did, averaged over its steps
     lines += ["", "Per method, over all steps: the STARE gate's on-share and the shares of valid tokens in L+ and L- "
               "(selected whatever the gate), STAPO's silenced share, the covariance kernel's mean weight, the share "
-              "KL-Cov penalises.", "",
+              "KL-Cov penalises, and the share whose gradient is cut (PPO's clip; Clip-Cov's detached tokens).", "",
               "| method | " + " | ".join(own) + " |", "|---|" + "---|" * len(own)]
     for m, d in methods.items():
         lines.append(f"| {m} | " + " | ".join(over_seeds_text(d["over_seeds"].get(k), 4) for k in own) + " |")
