@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from stare_cli.core.errors import StareError
+from stare_cli.core.runs import read_jsonl
 
 NOT_COMPARED = ("time/", "memory/")  # wall clock and memory: no rerun repeats them
 EVAL_OWN = ("model",)  # an evaluation's settings that name the run itself (its checkpoint's path)
@@ -69,10 +70,8 @@ def _short(v: object) -> str:
 
 
 def _read_jsonl(path: Path) -> list[dict]:
-    try:
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    except (OSError, ValueError) as e:
-        raise StareError(f"{path}: cannot read it ({e})", hint="compare two run directories written by `stare train`")
+    """The rows of a file the run wrote ([] when it is absent); a bad line is an error naming file and line."""
+    return read_jsonl(path, strict=True)
 
 
 def _rows_by_step(run: Path) -> dict[int, dict]:
@@ -94,16 +93,11 @@ class _Evaluation:
 def _evaluations(run: Path) -> dict[str, _Evaluation]:
     """'step S <bench> n=N' -> the evaluation made during training at step S (settings, metrics, its
     samples.jsonl), under the grader of its latest results.json."""
-    from benchmarks.evaluation.evaluate import latest_grader_results
+    from stare_cli.analysis.sweep import run_evaluation_results
 
-    out: dict[str, _Evaluation] = {}
-    for step_dir in sorted((run / "eval").glob("step-*")):
-        step = int(step_dir.name.split("-")[1])
-        for bench_dir in sorted(p for p in step_dir.iterdir() if p.is_dir()):
-            for res in latest_grader_results(bench_dir):
-                key = f"step {step} {res['benchmark']} n={res['metrics'].get('n')}"
-                out[key] = _Evaluation(res.get("settings") or {}, res["metrics"], bench_dir / "samples.jsonl")
-    return out
+    return {f"step {step} {res['benchmark']} n={res['metrics'].get('n')}":
+            _Evaluation(res.get("settings") or {}, res["metrics"], bench_dir / "samples.jsonl")
+            for step, bench_dir, res in run_evaluation_results(run) if step != "?"}
 
 
 def _compare_lines(where: str, a: list[dict], b: list[dict], found: list[Difference], skip: tuple = ()) -> int:
@@ -155,9 +149,8 @@ def compare_runs(a: Path, b: Path) -> RunAgreement:
             for k in sorted(set(da) | set(db)):
                 if not (what == "settings" and k in EVAL_OWN) and not _same_value(da.get(k), db.get(k)):
                     ag.differences.append(Difference(key, f"{what}.{k}", da.get(k), db.get(k)))
-        ag.eval_samples += _compare_lines(key + " samples", _read_jsonl(x.samples) if x.samples.exists() else [],
-                                          _read_jsonl(y.samples) if y.samples.exists() else [], ag.differences,
-                                          SAMPLE_OWN)
+        ag.eval_samples += _compare_lines(key + " samples", _read_jsonl(x.samples), _read_jsonl(y.samples),
+                                          ag.differences, SAMPLE_OWN)
     for side, mine, theirs in (("a", ea, eb), ("b", eb, ea)):
         extra = [k for k in mine if k not in theirs and int(k.split()[1]) <= last]
         if extra:

@@ -686,17 +686,25 @@ def eval_summary(runs: list[Path]) -> dict:
     return {k: seeds_summary(per[k]) for k in sorted(per, key=_eval_order)}
 
 
+def run_evaluation_results(run: Path):
+    """Every evaluation recorded under run/eval, oldest setting first within a benchmark folder: (step, the
+    benchmark folder, its results under the grader of its latest results.json); step is the training step
+    of the `step-N` folder it lies in (an int), "?" for one outside any."""
+    from benchmarks.evaluation.evaluate import latest_grader_results
+
+    for latest in sorted((run / "eval").rglob("results.json")):
+        step = next((int(x.name.split("-")[1]) for x in latest.parents if x.name.startswith("step-")), "?")
+        for res in latest_grader_results(latest.parent):
+            yield step, latest.parent, res
+
+
 def _run_evaluations(run: Path) -> dict[str, dict]:
     """One run's evaluation metrics (avg@, pass@, maj@) by key '<bench> n=<N> step=<S>': one entry per key
     (the newest, should settings differ only in limit)."""
-    from benchmarks.evaluation.evaluate import latest_grader_results
-
     mine: dict[str, dict] = {}
-    for latest in sorted((run / "eval").rglob("results.json")):
-        step = next((x.name.split("-")[1].lstrip("0") or "0" for x in latest.parents if x.name.startswith("step-")), "?")
-        for res in latest_grader_results(latest.parent):
-            key = f"{res['benchmark']} n={res['metrics']['n']} step={step}"
-            mine[key] = {k: v for k, v in res["metrics"].items() if k.startswith(("avg@", "pass@", "maj@"))}
+    for step, _, res in run_evaluation_results(run):
+        key = f"{res['benchmark']} n={res['metrics']['n']} step={step}"
+        mine[key] = {k: v for k, v in res["metrics"].items() if k.startswith(("avg@", "pass@", "maj@"))}
     return mine
 
 
