@@ -69,14 +69,9 @@ def _short(v: object) -> str:
     return s if len(s) <= 80 else s[:77] + "..."
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    """The rows of a file the run wrote ([] when it is absent); a bad line is an error naming file and line."""
-    return read_jsonl(path, strict=True)
-
-
 def _rows_by_step(run: Path) -> dict[int, dict]:
     """The run's metrics rows by step; a step logged twice (a resume that redid it) counts as its last row."""
-    return {r["step"]: r for r in _read_jsonl(run / "metrics.jsonl") if isinstance(r.get("step"), int)}
+    return {r["step"]: r for r in read_jsonl(run / "metrics.jsonl", strict=True) if isinstance(r.get("step"), int)}
 
 
 def _same_value(x: object, y: object) -> bool:
@@ -137,8 +132,8 @@ def compare_runs(a: Path, b: Path) -> RunAgreement:
     last = max(ag.steps, default=-1)
     for name in sorted({p.name for p in (a / "samples").glob("step-*.jsonl")} & {p.name for p in (b / "samples").glob("step-*.jsonl")}):
         if int(name.split("-")[1].split(".")[0]) <= last:
-            ag.train_samples += _compare_lines(f"samples/{name}", _read_jsonl(a / "samples" / name),
-                                               _read_jsonl(b / "samples" / name), ag.differences)
+            ag.train_samples += _compare_lines(f"samples/{name}", read_jsonl(a / "samples" / name, strict=True),
+                                               read_jsonl(b / "samples" / name, strict=True), ag.differences)
     ea, eb = _evaluations(a), _evaluations(b)
     for key in sorted(set(ea) & set(eb), key=lambda k: (int(k.split()[1]), k)):
         if int(key.split()[1]) > last:
@@ -149,8 +144,8 @@ def compare_runs(a: Path, b: Path) -> RunAgreement:
             for k in sorted(set(da) | set(db)):
                 if not (what == "settings" and k in EVAL_OWN) and not _same_value(da.get(k), db.get(k)):
                     ag.differences.append(Difference(key, f"{what}.{k}", da.get(k), db.get(k)))
-        ag.eval_samples += _compare_lines(key + " samples", _read_jsonl(x.samples), _read_jsonl(y.samples),
-                                          ag.differences, SAMPLE_OWN)
+        ag.eval_samples += _compare_lines(key + " samples", read_jsonl(x.samples, strict=True),
+                                          read_jsonl(y.samples, strict=True), ag.differences, SAMPLE_OWN)
     for side, mine, theirs in (("a", ea, eb), ("b", eb, ea)):
         extra = [k for k in mine if k not in theirs and int(k.split()[1]) <= last]
         if extra:
