@@ -205,6 +205,38 @@ def test_a_second_signal_stops_at_once_without_a_checkpoint(tmp_path, quick_toy)
     assert "SIGINT again during step 2" in err and "stopped without a checkpoint" in err
 
 
+def test_a_signal_during_the_step0_evaluation_stops_at_its_end_without_training(tmp_path, quick_toy):
+    """Before, the stop was looked at only after a step: a SIGINT in the step-0 evaluation let the
+    evaluation and all of step 1 run (12 minutes on the real-model recipe, issue 48). Now the run stops
+    when the evaluation ends: no step trained, no checkpoint, and the message says how to start again."""
+    import threading
+
+    p = _spawn_train(tmp_path, quick_toy, "optim.total_steps=200", "checkpoint.every=1",
+                     "method.dynamic_sampling=false", "eval.limit=256", "eval.n=8")
+    guard = threading.Timer(300, p.kill)
+    guard.start()
+    try:
+        seen = []
+        while not any("step 0: evaluating" in x for x in seen):
+            line = p.stderr.readline()
+            assert line, "".join(seen)
+            seen.append(line)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=300)
+    finally:
+        guard.cancel()
+    err = "".join(seen) + err
+    assert p.returncode == 130, err
+    assert "SIGINT: stopping after the step-0 evaluation (no step trained: no checkpoint)" in err
+    run = next(tmp_path.glob("tiny-arith__*"))
+    assert f"interrupted after the step-0 evaluation, before step 1 (no checkpoint); start it again with: " \
+           f"stare train --resume {run} --restart" in err
+    assert (run / "eval" / "step-000000" / "toy-arith" / "results.json").exists()  # the evaluation finished
+    assert not (run / "metrics.jsonl").exists() and "step 1/200" not in err  # step 1 never started
+    assert list((run / "checkpoints").iterdir()) == []
+    assert "Status: **stopped**, step 0 of 200" in (run / "REPRODUCE.md").read_text()
+
+
 # ------------------------------------------------------------------- run dirs, caches, durability
 def _make_dir(args) -> str:
     root, barrier_time = args

@@ -489,3 +489,58 @@ def test_the_report_covers_the_finished_cells_while_others_run_and_when_the_swee
                                             "not_finished": {"grpo-ds-seed2": "interrupted", "grpo-ds-seed3": "pending"}}})
     assert text.splitlines()[2] == ("Cells: 1 of 3 finished; **interim**: the tables hold the finished cells only; "
                                     "not in them: grpo-ds-seed2 (interrupted), grpo-ds-seed3 (pending)")
+
+
+def test_a_stopped_sweep_names_where_each_cell_takes_up_again(tmp_path, monkeypatch):
+    """Issue 48: a cell stopped in its step-0 evaluation has no checkpoint, yet the stopped sweep said
+    "the cells wrote checkpoints". Now the log line of each stopped cell and the sweep's last line say,
+    per cell, the step its checkpoint holds or that it starts again. The fake cells stand for `stare
+    train`: a run directory, a checkpoint at step 7 for seed 1 (verl's tracker file) and none for seed 2;
+    they exit 130 on the SIGINT the sweep forwards."""
+    import textwrap
+    import threading
+
+    from stare_cli.analysis import sweep
+    from stare_cli.core.errors import Interrupted
+
+    script = textwrap.dedent("""
+        import pathlib, signal, sys, time
+        run = pathlib.Path(sys.argv[1])
+        (run / "checkpoints").mkdir(parents=True)
+        (run / "meta.json").write_text("{}")
+        if sys.argv[2] == "1":
+            (run / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("7")
+        signal.signal(signal.SIGINT, lambda *a: sys.exit(130))
+        (run / "ready").write_text("")
+        time.sleep(120)
+    """)
+    out = tmp_path / "sw"
+    (out / "logs").mkdir(parents=True)
+    monkeypatch.setattr(sweep, "_train_command", lambda spec, out, c, *a: [
+        sys.executable, "-c", script, str(out / "cells" / c.name / "run"), str(c.seed)])
+    spec = sweep.SweepSpec(recipe="tiny/arith", methods=("grpo-ds",), seeds=(1, 2))
+    cells = [sweep.Cell("grpo-ds", s) for s in (1, 2)]
+
+    def interrupt_when_both_run():
+        deadline = time.time() + 120
+        while len(list(out.glob("cells/*/run/ready"))) < 2 and time.time() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)  # the sweep's own handler takes it (installed before the cells start)
+
+    t = threading.Thread(target=interrupt_when_both_run)
+    t.start()
+    lines: list[str] = []
+    with pytest.raises(Interrupted) as e:
+        sweep._train_cells(spec, out, cells, 2, 1, lines.append)
+    t.join()
+    assert e.value.exit_code == 130
+    one = "stopped with a checkpoint at step 7 (the same command resumes from it)"
+    two = "stopped before its first checkpoint (the same command starts it again)"
+    message = str(e.value)
+    assert message.startswith("sweep interrupted after ") and "wrote checkpoints" not in message
+    assert f"; grpo-ds-seed1 {one}" in message and f"; grpo-ds-seed2 {two}" in message
+    assert message.endswith("; run the same command again to finish it")
+    assert [c.state for c in cells] == ["interrupted", "interrupted"]
+    assert sum(x.startswith("[0/2] grpo-ds-seed1 interrupted in ") and f"(exit 130): {one}; " in x for x in lines) == 1
+    assert sum(x.startswith("[0/2] grpo-ds-seed2 interrupted in ") and f"(exit 130): {two}; " in x for x in lines) == 1
+    assert [c["error"] for c in json.loads((out / "sweep.json").read_text())["cells"]] == [one, two]

@@ -20,7 +20,8 @@ failed cell does not stop the others; the summary names it and the command exits
 Each cell is a `stare train` process of its own (one torch thread each by default), in its own
 process group and killed with the sweep (parent-death signal), so a killed sweep leaves no trainer
 writing behind it; SIGINT/SIGTERM to the sweep are passed to the running cells once (each finishes
-its step and checkpoints) and the sweep exits 130/143. The verl backend runs cells one after another,
+its step and checkpoints; one in its step-0 evaluation finishes that and stops without a checkpoint)
+and the sweep exits 130/143, naming each stopped cell's checkpoint step. The verl backend runs cells one after another,
 or writes one job script per cell (`--emit-script DIR`).
 """
 
@@ -157,11 +158,30 @@ def _train_command(spec: SweepSpec, out: Path, cell: Cell, threads: int, run_dir
 
 
 def _has_checkpoint(run_dir: Path) -> bool:
+    return _checkpoint_step(run_dir) is not None
+
+
+def _checkpoint_step(run_dir: Path) -> Optional[int]:
+    """The step of the checkpoint a resume starts from (embedded: the newest intact one; verl: the
+    iteration its tracker file names), None when there is none."""
     from stare_cli.core.runs import usable_checkpoint
 
-    if usable_checkpoint(run_dir)[0] is not None:
-        return True
-    return (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").exists()
+    ckpt = usable_checkpoint(run_dir)[0]
+    if ckpt is not None:
+        return int(ckpt.name[5:])
+    tracker = run_dir / "checkpoints" / "latest_checkpointed_iteration.txt"
+    if tracker.exists():
+        text = tracker.read_text().strip()
+        return int(text) if text.isdigit() else 0
+    return None
+
+
+def _how_it_resumes(run_dir: Optional[Path]) -> str:
+    """An interrupted cell's state for the log and the manifest: where the same command takes it up."""
+    step = None if run_dir is None else _checkpoint_step(run_dir)
+    if step is None:
+        return "stopped before its first checkpoint (the same command starts it again)"
+    return f"stopped with a checkpoint at step {step} (the same command resumes from it)"
 
 
 def _die_with_sweep() -> None:
@@ -457,6 +477,7 @@ def _train_cells(spec: SweepSpec, out: Path, cells: list[Cell], parallel: int, t
     got: list[int] = []
     old = {s: signal.signal(s, lambda signum, frame: got.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
     forwarded = 0
+    stopped: list[Cell] = []  # the cells this command interrupted
     t0 = time.time()
     next_progress = t0 + PROGRESS_FIRST_S
     try:
@@ -503,7 +524,8 @@ def _train_cells(spec: SweepSpec, out: Path, cells: list[Cell], parallel: int, t
                     c.state, c.error = "done", None
                     clock.finished(c)
                 elif p.returncode in (130, 143) and got:
-                    c.state, c.error = "interrupted", "interrupted (resumes with the same command)"
+                    c.state, c.error = "interrupted", _how_it_resumes(rd)
+                    stopped.append(c)
                 else:
                     c.state = "failed"
                     tail = (out / "logs" / f"{c.name}.log").read_text().strip().splitlines()
@@ -527,7 +549,8 @@ def _train_cells(spec: SweepSpec, out: Path, cells: list[Cell], parallel: int, t
             r.close()
     if got:
         code = 128 + got[0]
-        raise Interrupted(f"sweep interrupted after {_fmt_s(time.time() - t0)}; the cells wrote checkpoints; "
+        cells_now = "; ".join(f"{c.name} {c.error}" for c in stopped) or "no cell was running"
+        raise Interrupted(f"sweep interrupted after {_fmt_s(time.time() - t0)}; {cells_now}; "
                           f"run the same command again to finish it", code)
 
 

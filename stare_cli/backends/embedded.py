@@ -449,7 +449,8 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume: Optional[ResumePla
           overrides: tuple[str, ...] = ()) -> Path:
     """Train `cfg.method` under `cfg` with the embedded backend (with `resume`, continue that run
     from its newest intact checkpoint, `resume.recipe` being `cfg`). Returns the run directory.
-    SIGINT/SIGTERM: the step finishes, a checkpoint is written, and Interrupted is raised."""
+    SIGINT/SIGTERM: the step finishes, a checkpoint is written, and Interrupted is raised (during the
+    step-0 evaluation: the evaluation finishes and Interrupted is raised, with no checkpoint)."""
     from stare_cli.method.layer import MethodLayer
 
     _quiet_transformers()
@@ -483,14 +484,21 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume: Optional[ResumePla
     tools = tool_spec(cfg.rollout.tools)
     eval_grader = Grader(workers=0)  # evaluation: `stare eval`'s grader, with the fallbacks users expect
     wb = _wandb_init(cfg, run.run_dir)
-    stop = StopAtStepBoundary(lambda: f"step {pos.step + 1} of {O.total_steps}").install()
+    at_step0 = False  # in the step-0 evaluation: a stop ends the run at its end, before step 1, with no checkpoint
+    stop = StopAtStepBoundary(
+        lambda: "the step-0 evaluation" if at_step0 else f"step {pos.step + 1} of {O.total_steps}",
+        leaves=lambda: "no step trained: no checkpoint" if at_step0 else "a checkpoint is written").install()
     try:
         if E.benchmarks and E.at_start and pos.step == 0:  # step 0: where every evaluation curve starts
+            at_step0 = True
             log.note(f"step 0: evaluating {', '.join(E.benchmarks)} before training")
             t_eval = time.perf_counter()
             m0 = _evaluate(rollout.engine, eval_grader, cfg, policy.tok, use_chat, 0, run.run_dir, tools)
             log.eval_times.append(time.perf_counter() - t_eval)  # results: eval/step-000000/ (metrics.jsonl: steps)
             log.note("step 0: " + _eval_summary(m0))
+            stop.check(lambda: f"interrupted after the step-0 evaluation, before step 1 (no checkpoint); "
+                               f"start it again with: stare train --resume {run.run_dir} --restart")
+            at_step0 = False
         while pos.step < O.total_steps:
             t_step = time.perf_counter()
             k = pos.step + 1

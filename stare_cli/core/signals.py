@@ -2,8 +2,10 @@
 
 The first signal asks the training loop to stop at the next step boundary: it finishes the step,
 writes a checkpoint and raises `Interrupted` ("interrupted at step N; resume with: ..."), which the
-CLI turns into exit 130 (SIGINT) or 143 (SIGTERM). A second signal stops at once, without a
-checkpoint (the run resumes from the previous one).
+CLI turns into exit 130 (SIGINT) or 143 (SIGTERM). During the step-0 evaluation the boundary is the
+evaluation's end: nothing has been trained and no checkpoint is written (the run starts again with
+`--resume --restart`). A second signal stops at once, without a checkpoint (the run resumes from the
+previous one).
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ class StopAtStepBoundary:
     `check`); the second raises Interrupted immediately. Handlers are restored on exit. Outside the
     main thread (where Python cannot install handlers) this does nothing."""
 
-    def __init__(self, describe_now: Callable[[], str]):
+    def __init__(self, describe_now: Callable[[], str],
+                 leaves: Callable[[], str] = lambda: "a checkpoint is written"):
         self.describe_now = describe_now  # e.g. "step 12 of 200": where the loop is, for the message
+        self.leaves = leaves  # what stopping at the coming boundary leaves behind, for the message
         self.signum: Optional[int] = None
         self._old: dict[int, object] = {}
 
@@ -56,7 +60,7 @@ class StopAtStepBoundary:
             raise Interrupted(f"{name} again during {self.describe_now()}: stopped without a checkpoint",
                               exit_code(signum))
         self.signum = signum
-        print(f"{name}: stopping after {self.describe_now()} (a checkpoint is written); "
+        print(f"{name}: stopping after {self.describe_now()} ({self.leaves()}); "
               f"send it again to stop at once", file=sys.stderr, flush=True)
 
     def check(self, message: Callable[[], str]) -> None:
