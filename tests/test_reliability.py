@@ -4,12 +4,14 @@ it is (issue 14). Runs the real CLI on the quick toy."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -162,6 +164,27 @@ def _wait_for_rows(out: Path, n: int, timeout: float = 300) -> Path:
     raise AssertionError("the run never reached its first steps")
 
 
+@contextlib.contextmanager
+def _killed_if_stuck(p: subprocess.Popen, seconds: float = 300):
+    """Kill `p` after `seconds`: a blocking readline on its stderr must not wait forever on a stuck run."""
+    guard = threading.Timer(seconds, p.kill)
+    guard.start()
+    try:
+        yield
+    finally:
+        guard.cancel()
+
+
+def _stderr_until(p: subprocess.Popen, text: str) -> list[str]:
+    """p's stderr lines up to and including the first that holds `text` (fails if p ends first)."""
+    seen: list[str] = []
+    while not any(text in x for x in seen):
+        line = p.stderr.readline()
+        assert line, "".join(seen)
+        seen.append(line)
+    return seen
+
+
 @pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_a_signal_checkpoints_at_the_step_boundary_and_says_how_to_resume(tmp_path, quick_toy, sig, code):
     p = _spawn_train(tmp_path, quick_toy, "optim.total_steps=200", "checkpoint.every=0",
@@ -180,26 +203,16 @@ def test_a_second_signal_stops_at_once_without_a_checkpoint(tmp_path, quick_toy)
     """The second SIGINT goes out as soon as the trainer acknowledges the first, which arrived well
     inside step 2 (steps of ~1-2 s): a fixed delay between the two raced the step's end on a busy
     machine (the first signal then landed at the boundary and the run stopped with a checkpoint)."""
-    import threading
-
     p = _spawn_train(tmp_path, quick_toy, "optim.total_steps=200", "checkpoint.every=0",
                      "method.dynamic_sampling=false", "rollout.n=32", "rollout.max_response_tokens=64")
-    guard = threading.Timer(300, p.kill)  # readline below must not wait forever on a stuck run
-    guard.start()
-    try:
+    with _killed_if_stuck(p):
         _wait_for_rows(tmp_path, 1)
         time.sleep(0.2)  # past step 1's boundary work (its metrics row comes before its log line)
         p.send_signal(signal.SIGINT)
-        seen = []
-        while not any("stopping after" in x for x in seen):
-            line = p.stderr.readline()
-            assert line, "".join(seen)
-            seen.append(line)
+        seen = _stderr_until(p, "stopping after")
         assert "stopping after step 2 of 200" in seen[-1], "".join(seen)
         p.send_signal(signal.SIGINT)
         _, err = p.communicate(timeout=300)
-    finally:
-        guard.cancel()
     err = "".join(seen) + err
     assert p.returncode == 130, err
     assert "SIGINT again during step 2" in err and "stopped without a checkpoint" in err
@@ -209,22 +222,12 @@ def test_a_signal_during_the_step0_evaluation_stops_at_its_end_without_training(
     """Before, the stop was looked at only after a step: a SIGINT in the step-0 evaluation let the
     evaluation and all of step 1 run (12 minutes on the real-model recipe, issue 48). Now the run stops
     when the evaluation ends: no step trained, no checkpoint, and the message says how to start again."""
-    import threading
-
     p = _spawn_train(tmp_path, quick_toy, "optim.total_steps=200", "checkpoint.every=1",
                      "method.dynamic_sampling=false", "eval.limit=256", "eval.n=8")
-    guard = threading.Timer(300, p.kill)
-    guard.start()
-    try:
-        seen = []
-        while not any("step 0: evaluating" in x for x in seen):
-            line = p.stderr.readline()
-            assert line, "".join(seen)
-            seen.append(line)
+    with _killed_if_stuck(p):
+        seen = _stderr_until(p, "step 0: evaluating")  # sent in the evaluation (2,048 samples: seconds)
         p.send_signal(signal.SIGINT)
         _, err = p.communicate(timeout=300)
-    finally:
-        guard.cancel()
     err = "".join(seen) + err
     assert p.returncode == 130, err
     assert "SIGINT: stopping after the step-0 evaluation (no step trained: no checkpoint)" in err
