@@ -21,8 +21,8 @@ Each cell is a `stare train` process of its own (one torch thread each by defaul
 process group and killed with the sweep (parent-death signal), so a killed sweep leaves no trainer
 writing behind it; SIGINT/SIGTERM to the sweep are passed to the running cells once (each finishes
 its step and checkpoints; one in its step-0 evaluation finishes that and stops without a checkpoint)
-and the sweep exits 130/143, naming each stopped cell's checkpoint step. The verl backend runs cells one after another,
-or writes one job script per cell (`--emit-script DIR`).
+and the sweep exits 130/143, naming each stopped cell's checkpoint step. The verl backend runs cells
+one after another, or writes one job script per cell (`--emit-script DIR`).
 """
 
 from __future__ import annotations
