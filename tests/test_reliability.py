@@ -102,6 +102,72 @@ def test_a_checkpoint_without_its_manifest_is_not_used(tmp_path):
     assert usable_checkpoint(tmp_path) == (None, [checkpoint_problem(ck)])
 
 
+def _verl_checkpoints(run: Path, steps: tuple[int, ...], tracker: str | None, without_actor: tuple[int, ...] = ()):
+    for n in steps:
+        (run / "checkpoints" / f"global_step_{n}" / "actor").mkdir(parents=True)
+    for n in without_actor:  # a folder verl began and never filled
+        (run / "checkpoints" / f"global_step_{n}").mkdir(parents=True)
+    (run / "checkpoints").mkdir(parents=True, exist_ok=True)
+    if tracker is not None:
+        (run / "checkpoints" / "latest_checkpointed_iteration.txt").write_text(tracker)
+
+
+@pytest.mark.parametrize("steps, tracker, without_actor, step, why", [
+    ((3, 5), "5\n", (), 5, None),  # the tracker names a complete checkpoint: verl's own choice
+    ((3, 5), "3", (), 3, None),  # ... even an older one (verl loads what the tracker names)
+    ((3, 5), "9", (), 5, "names step '9', whose global_step_9/actor does not exist"),
+    ((3, 5), "7", (7,), 5, "names step '7', whose global_step_7/actor does not exist"),  # 7 has no actor/
+    ((3, 5), "garbage", (), 5, "names step 'garbage'"),  # was read as "a checkpoint at step 0"
+    ((3, 5), None, (), 5, "latest_checkpointed_iteration.txt does not exist"),  # verl would start from scratch
+    ((), "4", (), None, "names step '4'"),
+    ((), None, (2,), None, None),  # no checkpoint at all: nothing to say beyond that
+])
+def test_the_verl_checkpoint_a_resume_takes(tmp_path, steps, tracker, without_actor, step, why):
+    """One reading of verl's checkpoint folder for resume, the sweep and "is it finished": the step the
+    tracker names when its global_step_N/actor exists, else the newest complete one, with the reason."""
+    from stare_cli.core.runs import verl_checkpoint
+
+    _verl_checkpoints(tmp_path, steps, tracker, without_actor)
+    found, skipped = verl_checkpoint(tmp_path)
+    assert found == step
+    assert (skipped == []) if why is None else (len(skipped) == 1 and why in skipped[0]), skipped
+
+
+def test_a_verl_resume_points_a_missing_or_wrong_tracker_at_the_newest_checkpoint(tmp_path, capsys):
+    """verl's resume_mode=auto trains from scratch without a tracker or with one naming a missing step
+    (and fails on one that is not a number), while our resume trims metrics.jsonl to the step we name:
+    the tracker must name that same step (verl/utils/checkpoint/checkpoint_manager.py,
+    find_latest_ckpt_path)."""
+    from stare_cli.backends.verl_backend import resume_point
+    from stare_cli.core.errors import StareError
+
+    tracker = tmp_path / "checkpoints" / "latest_checkpointed_iteration.txt"
+    (tmp_path / "meta.json").write_text('{"overrides": ["data.train_files=/d/train.parquet"]}')
+    _verl_checkpoints(tmp_path, (2, 4), None)
+    assert resume_point(tmp_path) == (4, Path("/d"))
+    assert tracker.read_text() == "4" and "resuming from global_step_4" in capsys.readouterr().err
+    tracker.write_text("6")
+    assert resume_point(tmp_path)[0] == 4 and tracker.read_text() == "4"
+    assert resume_point(tmp_path)[0] == 4 and capsys.readouterr().err.count("warning") == 1  # now silent
+    for n in (2, 4):
+        (tmp_path / "checkpoints" / f"global_step_{n}" / "actor").rmdir()
+    with pytest.raises(StareError, match="no usable checkpoint"):
+        resume_point(tmp_path)
+
+
+def test_a_verl_run_is_finished_only_when_its_last_step_is_a_checkpoint(tmp_path):
+    from stare_cli.core.recipes import recipe_to_yaml
+    from stare_cli.core.resolve import load_recipe
+    from stare_cli.core.runs import run_finished
+
+    cfg = load_recipe("tiny/arith", "grpo-ds", ["backend.name=verl", "optim.total_steps=4"])
+    (tmp_path / "config.yaml").write_text(recipe_to_yaml(cfg))
+    _verl_checkpoints(tmp_path, (2,), "4")  # the tracker says 4, but global_step_4 is not there
+    assert not run_finished(tmp_path)
+    _verl_checkpoints(tmp_path, (4,), None)
+    assert run_finished(tmp_path)
+
+
 # --------------------------------------------------------------------------- overrides on resume
 def test_overrides_on_resume_are_applied_and_recorded(cli, tmp_path, quick_toy):
     run = _train(cli, tmp_path, quick_toy, "grpo-ds", "optim.total_steps=2", "method.dynamic_sampling=false",

@@ -495,7 +495,7 @@ def test_a_stopped_sweep_names_where_each_cell_takes_up_again(tmp_path, monkeypa
     """Issue 48: a cell stopped in its step-0 evaluation has no checkpoint, yet the stopped sweep said
     "the cells wrote checkpoints". Now the log line of each stopped cell and the sweep's last line say,
     per cell, the step its checkpoint holds or that it starts again. The fake cells stand for `stare
-    train`: a run directory, a checkpoint at step 7 for seed 1 (verl's tracker file) and none for seed 2;
+    train`: a run directory, a checkpoint at step 7 for seed 1 (verl's layout) and none for seed 2;
     they exit 130 on the SIGINT the sweep forwards."""
     import textwrap
     import threading
@@ -509,6 +509,7 @@ def test_a_stopped_sweep_names_where_each_cell_takes_up_again(tmp_path, monkeypa
         (run / "checkpoints").mkdir(parents=True)
         (run / "meta.json").write_text("{}")
         if sys.argv[2] == "1":
+            (run / "checkpoints" / "global_step_7" / "actor").mkdir(parents=True)
             (run / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("7")
         signal.signal(signal.SIGINT, lambda *a: sys.exit(130))
         (run / "ready").write_text("")

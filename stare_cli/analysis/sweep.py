@@ -162,18 +162,15 @@ def _has_checkpoint(run_dir: Path) -> bool:
 
 
 def _checkpoint_step(run_dir: Path) -> Optional[int]:
-    """The step of the checkpoint a resume starts from (embedded: the newest intact one; verl: the
-    iteration its tracker file names), None when there is none."""
-    from stare_cli.core.runs import usable_checkpoint
+    """The step of the checkpoint a resume starts from (embedded: the newest intact one; verl: the one its
+    tracker file names, or the newest complete one when the tracker is missing or wrong), None when
+    there is none."""
+    from stare_cli.core.runs import usable_checkpoint, verl_checkpoint
 
     ckpt = usable_checkpoint(run_dir)[0]
     if ckpt is not None:
         return int(ckpt.name[5:])
-    tracker = run_dir / "checkpoints" / "latest_checkpointed_iteration.txt"
-    if tracker.exists():
-        text = tracker.read_text().strip()
-        return int(text) if text.isdigit() else 0
-    return None
+    return verl_checkpoint(run_dir)[0]
 
 
 def _how_it_resumes(run_dir: Optional[Path]) -> str:

@@ -559,21 +559,14 @@ def resume_point(run_dir: Path) -> tuple[int, Optional[Path]]:
         raise StareError(f"--resume: '{run_dir}' is not a run directory stare created (no meta.json)",
                          hint="resume only run directories you trust: verl's checkpoint loading runs pickle")
     from stare_cli.core.resume import no_checkpoint_error
-    from stare_cli.core.runs import atomic_write_text
+    from stare_cli.core.runs import VERL_TRACKER, atomic_write_text, verl_checkpoint
 
-    tracker = run_dir / "checkpoints" / "latest_checkpointed_iteration.txt"
-    steps = sorted((int(p.name.rsplit("_", 1)[1]) for p in (run_dir / "checkpoints").glob("global_step_*")
-                    if p.name.rsplit("_", 1)[1].isdigit() and (p / "actor").is_dir()), reverse=True)
-    skipped = []
-    named = tracker.read_text().strip() if tracker.exists() else None
-    if named is not None and (not named.isdigit() or int(named) not in steps):
-        skipped.append(f"{tracker} names step {named!r}, whose global_step_{named}/actor does not exist")
-    if not steps:
+    step, skipped = verl_checkpoint(run_dir)
+    if step is None:
         raise no_checkpoint_error(run_dir, skipped)
-    step = int(named) if named is not None and not skipped else steps[0]
     if skipped:  # verl resumes from what the tracker names: point it at the newest complete one
         print(f"warning: skipping checkpoint: {skipped[0]}; resuming from global_step_{step}", file=sys.stderr)
-        atomic_write_text(tracker, str(step))
+        atomic_write_text(run_dir / "checkpoints" / VERL_TRACKER, str(step))
     meta = json.loads((run_dir / "meta.json").read_text())
     train = next((o.split("=", 1)[1] for o in meta.get("overrides", []) if o.startswith("data.train_files=")), None)
     return step, Path(train).parent if train else None

@@ -455,8 +455,27 @@ def run_finished(run_dir: Path) -> bool:
     ckpt, _ = usable_checkpoint(run_dir)
     if ckpt is not None:
         return json.loads((ckpt / STATE).read_text()).get("step") == total
-    tracker = run_dir / "checkpoints" / "latest_checkpointed_iteration.txt"  # verl's
+    return verl_checkpoint(run_dir)[0] == total
+
+
+VERL_TRACKER = "latest_checkpointed_iteration.txt"  # verl's: the step its resume_mode=auto loads
+
+
+def verl_checkpoint(run_dir: Path) -> tuple[int | None, list[str]]:
+    """The step a verl run directory resumes from: the one verl's tracker file names when its
+    global_step_N/actor exists, otherwise the newest global_step_N that has an actor/ (verl trains from
+    scratch without a tracker, so `--resume` rewrites it to name this step). Returns the step (None
+    when there is no checkpoint) and why the tracker was passed over (empty when it was used)."""
+    ckpts = run_dir / "checkpoints"
+    steps = sorted((int(p.name.rsplit("_", 1)[1]) for p in ckpts.glob("global_step_*")
+                    if p.name.rsplit("_", 1)[1].isdigit() and (p / "actor").is_dir()), reverse=True)
+    tracker = ckpts / VERL_TRACKER
     try:
-        return int(tracker.read_text().strip()) == total
-    except (OSError, ValueError):
-        return False
+        named = tracker.read_text().strip()
+    except FileNotFoundError:
+        return (steps[0], [f"{tracker} does not exist"]) if steps else (None, [])
+    except (OSError, UnicodeDecodeError) as e:
+        named = f"<unreadable: {e}>"
+    if named.isdigit() and int(named) in steps:
+        return int(named), []
+    return (steps[0] if steps else None), [f"{tracker} names step {named!r}, whose global_step_{named}/actor does not exist"]
