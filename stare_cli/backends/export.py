@@ -24,16 +24,10 @@ from pathlib import Path
 from typing import Optional
 
 from stare_cli.core.errors import StareError
-from stare_cli.core.runs import atomic_write_text, file_sha256
+from stare_cli.core.runs import atomic_write_text, file_sha256, is_verl_checkpoint
 
 TRAINER_FILES = {"trainer.pt", "state.json", "manifest.json"}
 _STEP_DIR = re.compile(r"(?:step-|global_step_)(\d+)")  # embedded step-000002, verl global_step_2
-
-
-def is_verl_checkpoint(path: Path) -> bool:
-    """A verl checkpoint directory (global_step_N with actor/ shards)."""
-    path = Path(path)
-    return path.name.startswith("global_step_") and (path / "actor").is_dir()
 
 
 def find_checkpoint(path: Path, step: Optional[int] = None) -> Path:

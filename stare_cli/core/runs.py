@@ -461,14 +461,20 @@ def run_finished(run_dir: Path) -> bool:
 VERL_TRACKER = "latest_checkpointed_iteration.txt"  # verl's: the step its resume_mode=auto loads
 
 
+def is_verl_checkpoint(path: Path) -> bool:
+    """A verl checkpoint directory (global_step_N with actor/ shards)."""
+    path = Path(path)
+    return path.name.startswith("global_step_") and (path / "actor").is_dir()
+
+
 def verl_checkpoint(run_dir: Path) -> tuple[int | None, list[str]]:
     """The step a verl run directory resumes from: the one verl's tracker file names when its
     global_step_N/actor exists, otherwise the newest global_step_N that has an actor/ (verl trains from
     scratch without a tracker, so `--resume` rewrites it to name this step). Returns the step (None
     when there is no checkpoint) and why the tracker was passed over (empty when it was used)."""
     ckpts = run_dir / "checkpoints"
-    steps = sorted((int(p.name.rsplit("_", 1)[1]) for p in ckpts.glob("global_step_*")
-                    if p.name.rsplit("_", 1)[1].isdigit() and (p / "actor").is_dir()), reverse=True)
+    steps = sorted((int(p.name.removeprefix("global_step_")) for p in ckpts.glob("global_step_*")
+                    if p.name.removeprefix("global_step_").isdigit() and is_verl_checkpoint(p)), reverse=True)
     tracker = ckpts / VERL_TRACKER
     try:
         named = tracker.read_text().strip()
