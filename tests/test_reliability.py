@@ -102,13 +102,16 @@ def test_a_checkpoint_without_its_manifest_is_not_used(tmp_path):
     assert usable_checkpoint(tmp_path) == (None, [checkpoint_problem(ck)])
 
 
-def _verl_checkpoints(run: Path, steps: tuple[int, ...], tracker: str | None, without_actor: tuple[int, ...] = ()):
+def _verl_checkpoints(run: Path, steps: tuple[int, ...], tracker: str | bytes | None,
+                      without_actor: tuple[int, ...] = ()):
     for n in steps:
         (run / "checkpoints" / f"global_step_{n}" / "actor").mkdir(parents=True)
     for n in without_actor:  # a folder verl began and never filled
         (run / "checkpoints" / f"global_step_{n}").mkdir(parents=True)
     (run / "checkpoints").mkdir(parents=True, exist_ok=True)
-    if tracker is not None:
+    if isinstance(tracker, bytes):  # not text at all
+        (run / "checkpoints" / "latest_checkpointed_iteration.txt").write_bytes(tracker)
+    elif tracker is not None:
         (run / "checkpoints" / "latest_checkpointed_iteration.txt").write_text(tracker)
 
 
@@ -117,7 +120,8 @@ def _verl_checkpoints(run: Path, steps: tuple[int, ...], tracker: str | None, wi
     ((3, 5), "3", (), 3, None),  # ... even an older one (verl loads what the tracker names)
     ((3, 5), "9", (), 5, "names step '9', whose global_step_9/actor does not exist"),
     ((3, 5), "7", (7,), 5, "names step '7', whose global_step_7/actor does not exist"),  # 7 has no actor/
-    ((3, 5), "garbage", (), 5, "names step 'garbage'"),  # was read as "a checkpoint at step 0"
+    ((3, 5), "garbage", (), 5, "holds 'garbage', not a step number"),  # was read as "a checkpoint at step 0"
+    ((3, 5), b"\xff\xfe", (), 5, "latest_checkpointed_iteration.txt: unreadable (UnicodeDecodeError)"),
     ((3, 5), None, (), 5, "latest_checkpointed_iteration.txt does not exist"),  # verl would start from scratch
     ((), "4", (), None, "names step '4'"),
     ((), None, (2,), None, None),  # no checkpoint at all: nothing to say beyond that

@@ -481,7 +481,10 @@ def verl_checkpoint(run_dir: Path) -> tuple[int | None, list[str]]:
     except FileNotFoundError:
         return (steps[0], [f"{tracker} does not exist"]) if steps else (None, [])
     except (OSError, UnicodeDecodeError) as e:
-        named = f"<unreadable: {e}>"
-    if named.isdigit() and int(named) in steps:
-        return int(named), []
-    return (steps[0] if steps else None), [f"{tracker} names step {named!r}, whose global_step_{named}/actor does not exist"]
+        why = f"{tracker}: unreadable ({type(e).__name__})"
+    else:
+        if named.isdigit() and int(named) in steps:
+            return int(named), []
+        why = (f"{tracker} names step {named!r}, whose global_step_{named}/actor does not exist"
+               if named.isdigit() else f"{tracker} holds {named[:40]!r}, not a step number")
+    return (steps[0] if steps else None), [why]
