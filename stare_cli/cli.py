@@ -817,9 +817,13 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     main_thread = threading.current_thread() is threading.main_thread()
     old_term = signal.signal(signal.SIGTERM, terminate_as_interrupt) if main_thread else None  # unwind, exit 143
+    caller_argv = sys.argv
+    if argv is not None:  # called as a function: runs record this command (sys.argv), not the caller's
+        sys.argv = ["stare", *argv]
     try:
         return _run(argv)
     finally:
+        sys.argv = caller_argv
         if main_thread:
             signal.signal(signal.SIGTERM, old_term)
 

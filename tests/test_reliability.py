@@ -47,6 +47,12 @@ def test_resume_without_any_checkpoint_refuses_and_restart_starts_again(cli, tmp
     aside = list((run / "restarts").iterdir())
     assert len(aside) == 1 and (aside[0] / "metrics.jsonl").read_text() == before
     assert [h["event"] for h in _history(run)] == ["start", "restart"]
+    # the card types the first start's command, not the restart's (which rewrote meta.json), and lists both
+    card = (run / "REPRODUCE.md").read_text()
+    typed = card.split("As typed (the first start):")[1].split("```bash\n")[1].split("\n```")[0]
+    assert typed.startswith("stare train --recipe tiny/arith --method grpo-ds --out ") and "--restart" not in typed
+    assert "(of the restart the steps count from)" in card
+    assert "- restart at step 0 (" in card and f"`stare train --resume {run} --restart`" in card, card
 
 
 def test_dangling_latest_is_named_and_refused(cli, tmp_path, quick_toy):

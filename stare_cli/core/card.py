@@ -76,6 +76,11 @@ def _rerun(run_dir: Path, cfg: dict, meta: dict) -> str:
     return cmd + " --out runs"
 
 
+def _typed(argv: Optional[list[str]]) -> str:
+    """A recorded sys.argv as the command a person types (`stare ...`)."""
+    return "stare " + " ".join(shlex.quote(a) for a in argv[1:]) if argv else "(not recorded)"
+
+
 def _override_paths(meta: dict, key: str) -> list[str]:
     """The paths a verl run's override `key=...` gave (a path, or a list of them), from meta.json."""
     for o in meta.get("overrides") or []:
@@ -117,27 +122,31 @@ def write_card(run_dir: Path, status: str = "started") -> Path:
     run_dir = Path(run_dir)
     d = _load(run_dir)
     meta, cfg, rows, history = d["meta"], d["cfg"], d["rows"], d["history"]
-    argv = meta.get("argv") or []
-    typed = "stare " + " ".join(shlex.quote(a) for a in argv[1:]) if argv else "(not recorded)"
+    first = next((h for h in history if h.get("event") == "start"), {})
+    typed = _typed(first.get("argv") or meta.get("argv"))  # a --restart rewrites meta.json, not the start
     row = card_row(run_dir, d)
     lines = [f"# Reproduction card: {run_dir.name}", "",
              f"Status: **{status}**, step {row['steps']} of {row['of']}. Written by stare from this run directory's "
              "records; rebuild it with `python -c \"from stare_cli.core.card import write_card; write_card('DIR')\"`.",
-             "", "## Rerun", "", "As typed (first start):", "", "```bash", typed, "```", "",
+             "", "## Rerun", "", "As typed (the first start):", "", "```bash", typed, "```", "",
              "From the resolved recipe (every value in effect, whatever the defaults become):", "", "```bash",
              _rerun(run_dir, cfg, meta), "```", ""]
     if len(history) > 1:
         lines += ["Starts and resumes (config-history.jsonl):", ""]
-        lines += [f"- {h.get('event')} at step {h.get('step')}: overrides {h.get('overrides') or '[]'}, "
-                  f"commit {h.get('git_sha')}" + (f" (its uncommitted changes: `{h['source_diff']}`)"
-                                                  if h.get("source_diff") else "") for h in history]
+        lines += [f"- {h.get('event')} at step {h.get('step')} ({h.get('time', '?')}): `{_typed(h.get('argv'))}`; "
+                  f"overrides {h.get('overrides') or '[]'}, commit {h.get('git_sha')}"
+                  + (f" (its uncommitted changes: `{h['source_diff']}`)" if h.get("source_diff") else "")
+                  for h in history]
         lines.append("")
     pk = meta.get("packages", {})
+    # meta.json describes the start the steps count from: the first, or the last --restart
+    since = next((h for h in reversed(history) if h.get("event") in ("start", "restart")), {})
     lines += ["## Code and environment", "",
               f"- commit: `{meta.get('git_sha') or 'unknown (not a git checkout)'}`"
-              + ((" (uncommitted changes in the checkout" + (f": `{history[0]['source_diff']}`" if history and
-                                                             history[0].get("source_diff") else "") + ")")
-                 if str(meta.get("git_sha", "")).endswith("-dirty") else ""),
+              + ((" (uncommitted changes in the checkout" + (f": `{since['source_diff']}`" if since.get("source_diff")
+                                                             else "") + ")")
+                 if str(meta.get("git_sha", "")).endswith("-dirty") else "")
+              + (" (of the restart the steps count from)" if since.get("event") == "restart" else ""),
               f"- packages: {', '.join(f'{k} {v}' for k, v in pk.items()) or 'not recorded'}",
               f"- python {meta.get('python', '?')} on {meta.get('platform', '?')}, host {meta.get('host', '?')}",
               f"- backend {meta.get('backend', '?')}, device {meta.get('device', (cfg.get('backend') or {}).get('verl', {}).get('device', '?'))}; "

@@ -3,7 +3,8 @@
 runs/<recipe>__<method>__seed<k>__<YYYYmmdd-HHMMSS>/
     config.yaml        the fully resolved recipe in effect (after any resume overrides)
     config-history.jsonl  one row per start and resume: step, overrides, the keys they changed, argv
-    meta.json          git SHA, command line, package versions, host, device (of the first start)
+    meta.json          git SHA, command line, package versions, host, device (of the start the steps
+                       count from: the first, or the last --restart)
     metrics.jsonl      one JSON object per training step (and eval rows with "eval/..." keys)
     checkpoints/       step-<n>/ (model.safetensors, trainer.pt, state.json, manifest.json);
                        `latest` names the newest
