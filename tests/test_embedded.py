@@ -99,6 +99,8 @@ def test_run_directory_is_complete(cli, tmp_path, quick_toy):
     start = json.loads((run / "config-history.jsonl").read_text().splitlines()[0])
     assert start["event"] == "start" and any(o.startswith("model.path=") for o in start["overrides"]), start
     assert "Status: **finished**, step 2 of 2" in card
+    # the command this test typed (main(argv) records it; it recorded pytest's command line before)
+    assert f"```bash\nstare train --recipe tiny/arith --method stare-o1 --out {tmp_path / 'runs'} -o " in card
     assert f"`{meta['git_sha']}`" in card
     assert hashlib.sha256((run / "config.yaml").read_bytes()).hexdigest() in card
     assert "- last training step 2: reward" in card and "- last evaluation (step 2): eval/toy:arith/acc" in card
