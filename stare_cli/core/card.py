@@ -141,12 +141,15 @@ def write_card(run_dir: Path, status: str = "started") -> Path:
     pk = meta.get("packages", {})
     # meta.json describes the start the steps count from: the first, or the last --restart
     since = next((h for h in reversed(history) if h.get("event") in ("start", "restart")), {})
+    about_commit = []
+    if str(meta.get("git_sha", "")).endswith("-dirty"):
+        about_commit.append("uncommitted changes in the checkout"
+                            + (f": `{since['source_diff']}`" if since.get("source_diff") else ""))
+    if since.get("event") == "restart":
+        about_commit.append("of the restart the steps count from")
     lines += ["## Code and environment", "",
               f"- commit: `{meta.get('git_sha') or 'unknown (not a git checkout)'}`"
-              + ((" (uncommitted changes in the checkout" + (f": `{since['source_diff']}`" if since.get("source_diff")
-                                                             else "") + ")")
-                 if str(meta.get("git_sha", "")).endswith("-dirty") else "")
-              + (" (of the restart the steps count from)" if since.get("event") == "restart" else ""),
+              + "".join(f" ({a})" for a in about_commit),
               f"- packages: {', '.join(f'{k} {v}' for k, v in pk.items()) or 'not recorded'}",
               f"- python {meta.get('python', '?')} on {meta.get('platform', '?')}, host {meta.get('host', '?')}",
               f"- backend {meta.get('backend', '?')}, device {meta.get('device', (cfg.get('backend') or {}).get('verl', {}).get('device', '?'))}; "

@@ -2,7 +2,8 @@
 
 runs/<recipe>__<method>__seed<k>__<YYYYmmdd-HHMMSS>/
     config.yaml        the fully resolved recipe in effect (after any resume overrides)
-    config-history.jsonl  one row per start and resume: step, overrides, the keys they changed, argv
+    config-history.jsonl  one row per start, resume and restart: step, overrides, the keys they changed,
+                          argv, commit
     meta.json          git SHA, command line, package versions, host, device (of the start the steps
                        count from: the first, or the last --restart)
     metrics.jsonl      one JSON object per training step (and eval rows with "eval/..." keys)
@@ -474,8 +475,8 @@ def verl_checkpoint(run_dir: Path) -> tuple[int | None, list[str]]:
     scratch without a tracker, so `--resume` rewrites it to name this step). Returns the step (None
     when there is no checkpoint) and why the tracker was passed over (empty when it was used)."""
     ckpts = run_dir / "checkpoints"
-    steps = sorted((int(p.name.removeprefix("global_step_")) for p in ckpts.glob("global_step_*")
-                    if p.name.removeprefix("global_step_").isdigit() and is_verl_checkpoint(p)), reverse=True)
+    steps = sorted((int(n) for p in ckpts.glob("global_step_*")
+                    if (n := p.name.removeprefix("global_step_")).isdigit() and is_verl_checkpoint(p)), reverse=True)
     tracker = ckpts / VERL_TRACKER
     try:
         named = tracker.read_text().strip()
