@@ -99,6 +99,11 @@ def test_run_directory_is_complete(cli, tmp_path, quick_toy):
     start = json.loads((run / "config-history.jsonl").read_text().splitlines()[0])
     assert start["event"] == "start" and any(o.startswith("model.path=") for o in start["overrides"]), start
     assert "Status: **finished**, step 2 of 2" in card
+    # the card rebuilt from the records alone, as its first line says, still knows the run finished
+    # (it said "started" for any run before)
+    from stare_cli.core.card import write_card
+
+    assert "Status: **finished**, step 2 of 2" in write_card(run).read_text()
     # the command this test typed (main(argv) records it; it recorded pytest's command line before)
     assert f"```bash\nstare train --recipe tiny/arith --method stare-o1 --out {tmp_path / 'runs'} -o " in card
     assert f"`{meta['git_sha']}`" in card

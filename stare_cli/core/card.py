@@ -117,14 +117,19 @@ def card_row(run_dir: Path, d: Optional[dict[str, Any]] = None) -> dict[str, Any
             "torch": pk.get("torch", "-"), "verl": pk.get("verl", "-"), "host": meta.get("host", "-")}
 
 
-def write_card(run_dir: Path, status: str = "started") -> Path:
-    """Write run_dir/REPRODUCE.md from the run's records; `status`: started, finished, stopped."""
+def write_card(run_dir: Path, status: Optional[str] = None) -> Path:
+    """Write run_dir/REPRODUCE.md from the run's records. `status`: what the trainer knows (started,
+    resumed, finished, stopped); None, when a card is rebuilt from the records alone: finished if the
+    last logged step reached the total, else "not finished" (the records cannot tell a running run
+    from a stopped one)."""
     run_dir = Path(run_dir)
     d = _load(run_dir)
     meta, cfg, rows, history = d["meta"], d["cfg"], d["rows"], d["history"]
     first = next((h for h in history if h.get("event") == "start"), {})
     typed = _typed(first.get("argv") or meta.get("argv"))  # a --restart rewrites meta.json, not the start
     row = card_row(run_dir, d)
+    if status is None:
+        status = "finished" if row["of"] is not None and row["steps"] >= int(row["of"]) else "not finished"
     lines = [f"# Reproduction card: {run_dir.name}", "",
              f"Status: **{status}**, step {row['steps']} of {row['of']}. Written by stare from this run directory's "
              "records; rebuild it with `python -c \"from stare_cli.core.card import write_card; write_card('DIR')\"`.",
