@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -62,6 +63,14 @@ def test_sweep_killed_midway_finishes_like_an_uninterrupted_one(cli, tmp_path, q
     # the report was written over the first finished cell while the others ran, then over all four
     assert f"report of the 1 of 4 cells finished so far: {ref / 'report.md'}" in log
     assert report.startswith("# Sweep report: tiny/arith\n\nCells: 4 of 4 finished\n") and "interim" not in report
+    # ... and ends with where every number comes from (issue 48: traceable to commit and command)
+    prov = report.split("## Provenance\n")[1]
+    assert (f"The grid: `stare sweep --recipe tiny/arith -m grpo-ds -m stare-o1 -s 1 -s 2 -o model.path={quick_toy}"
+            in prov and f"--out {ref}`" in prov)
+    for name, cell in _cells(ref).items():
+        sha = json.loads((Path(cell["run_dir"]) / "meta.json").read_text())["git_sha"]
+        assert (f"| {name} | done | 4 of 4 | cells/{name}/{Path(cell['run_dir']).name} | start 0 {sha[:7]}"
+                f"{'-dirty' if sha.endswith('-dirty') else ''} | math-verify@7; math-verify@7 |") in prov, name
 
     # the same sweep in a process of its own, killed with SIGKILL once a cell has checkpointed twice
     b = tmp_path / "b"
@@ -88,6 +97,8 @@ def test_sweep_killed_midway_finishes_like_an_uninterrupted_one(cli, tmp_path, q
         theirs = _rows_without_time(Path(_cells(ref)[name]["run_dir"]) / "metrics.jsonl")
         assert mine == theirs, name
     assert (b / "table.md").exists() and (b / "dynamics.png").exists()
+    # the killed cells' rows in the provenance name their resume, at the step of the checkpoint it took
+    assert re.search(r"\| start 0 \w+(-dirty)?; resume [1-3] \w+", (b / "report.md").read_text().split("## Provenance")[1])
 
     # once more: nothing left to do, nothing redone
     code, _, err = cli(*_args(b, quick_toy))
@@ -545,3 +556,34 @@ def test_a_stopped_sweep_names_where_each_cell_takes_up_again(tmp_path, monkeypa
     assert sum(x.startswith("[0/2] grpo-ds-seed1 interrupted in ") and f"(exit 130): {one}; " in x for x in lines) == 1
     assert sum(x.startswith("[0/2] grpo-ds-seed2 interrupted in ") and f"(exit 130): {two}; " in x for x in lines) == 1
     assert [c["error"] for c in json.loads((out / "sweep.json").read_text())["cells"]] == [one, two]
+
+
+def test_the_provenance_names_the_grid_command_and_each_cells_starts_with_their_commits(tmp_path):
+    """report.md's Provenance (issue 48): the grid's command from the manifest's cells in their order, and
+    per cell its run directory relative to the sweep, the steps it logged of its total, every start,
+    restart and resume from config-history.jsonl with the commit shortened to 7 characters (-dirty kept),
+    and the graders; a cell not started yet has dashes."""
+    from stare_cli.analysis.sweep import Cell, SweepSpec, cell_provenance, provenance_markdown, sweep_command
+
+    out = tmp_path / "sw"
+    spec = SweepSpec(recipe="small/r", methods=("stare-o1",), seeds=(1,), overrides=("optim.total_steps=3",),
+                     eval_n=4)
+    # an earlier command's cells come first in the manifest; the grid command names them all, once each
+    cells = [Cell("grpo-ds", 2), Cell("stare-o1", 2), Cell("grpo-ds", 1, state="done"), Cell("stare-o1", 1)]
+    assert sweep_command(spec, cells, out) == (
+        f"stare sweep --recipe small/r -m grpo-ds -m stare-o1 -s 2 -s 1 -o optim.total_steps=3 --eval-n 4 --out {out}")
+    run = out / "cells" / "grpo-ds-seed1" / "r__grpo-ds__seed1"
+    run.mkdir(parents=True)
+    (run / "meta.json").write_text(json.dumps({"reward_grader": "math-verify@7"}))
+    (run / "config.yaml").write_text("optim:\n  total_steps: 3\n")
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "loss": 0.1}) + "\n" for i in (1, 2, 3)))
+    (run / "config-history.jsonl").write_text("".join(json.dumps(h) + "\n" for h in (
+        {"event": "start", "step": 0, "git_sha": "a" * 40 + "-dirty"},
+        {"event": "restart", "step": 0, "git_sha": "b" * 40},
+        {"event": "resume", "step": 2, "git_sha": "c" * 40})))
+    cells[2].run_dir = str(run)
+    rows = provenance_markdown({"command": "stare sweep ...", "written": "T", "commit": "abc",
+                                "cells": [cell_provenance(out, c) for c in cells[2:]]})
+    assert rows[-2] == ("| grpo-ds-seed1 | done | 3 of 3 | cells/grpo-ds-seed1/r__grpo-ds__seed1 | start 0 aaaaaaa-dirty; "
+                        "restart 0 bbbbbbb; resume 2 ccccccc | math-verify@7; - |")
+    assert rows[-1] == "| stare-o1-seed1 | pending | - | - | - | -; - |"

@@ -10,7 +10,9 @@ A sweep directory holds
     logs/<method>-seed<k>.out          its stdout (the run directory, last line)
     table.md, table.csv, report.md, summary.json, dynamics.png/.svg, passk*.png/.svg   over the finished
                    cells: written when the cells are done, and before that after each finished cell and
-                   when the sweep is stopped (report.md's first line says how many of the cells it holds)
+                   when the sweep is stopped (report.md's first line says how many of the cells it holds;
+                   its last section, Provenance, the command of the grid, the commit that wrote it, and
+                   each cell's run directory, steps, every start and resume with its commit, and graders)
 
 Running the same command again is idempotent: a finished cell (its newest checkpoint is its last
 step) is skipped, an interrupted one resumes from its checkpoint (`stare train --resume`), one
@@ -42,8 +44,8 @@ from typing import Optional, TextIO
 
 from stare_cli.core.errors import Interrupted, StareError, UsageError
 from stare_cli.analysis.plots import plot_evals_over_training
-from stare_cli.core.runs import (atomic_write_text, hold_run_lock, make_out_dir, read_jsonl, refuse_run_dir_as_parent,
-                                 run_finished, run_total_steps)
+from stare_cli.core.runs import (atomic_write_text, git_sha, hold_run_lock, make_out_dir, read_jsonl,
+                                 refuse_run_dir_as_parent, run_finished, run_total_steps)
 
 MANIFEST = "sweep.json"
 
@@ -652,6 +654,76 @@ def seeds_summary(per_seed: list[dict]) -> dict:
     return out
 
 
+def sweep_command(spec: SweepSpec, cells: list[Cell], out: Path) -> str:
+    """The `stare sweep` command of the whole grid in `out`: the spec's settings with every method and
+    seed of the manifest's cells, in its order (seed-major, so methods and seeds in the order they
+    first ran). Running it again skips the finished cells and resumes the others."""
+    import shlex
+
+    argv = ["stare", "sweep", "--recipe", spec.recipe]
+    for m in dict.fromkeys(c.method for c in cells):
+        argv += ["-m", m]
+    for seed in dict.fromkeys(c.seed for c in cells):
+        argv += ["-s", str(seed)]
+    for o in spec.overrides:
+        argv += ["-o", o]
+    if spec.backend:
+        argv += ["--backend", spec.backend]
+    for b in spec.evals:
+        argv += ["--eval", b]
+    for flag, v in (("--eval-n", spec.eval_n), ("--eval-limit", spec.eval_limit)):
+        if v is not None:
+            argv += [flag, str(v)]
+    return shlex.join([*argv, "--out", str(out)])
+
+
+def _short_sha(sha: Optional[str]) -> str:
+    if not sha:
+        return "unknown"
+    return sha[:7] + ("-dirty" if sha.endswith("-dirty") else "")
+
+
+def cell_provenance(out: Path, cell: Cell) -> dict:
+    """Where a cell's numbers come from: its run directory (relative to the sweep folder when inside it),
+    the last step it logged of its total, each start, resume and restart with its step and commit (its
+    config-history.jsonl), the training reward's grader (meta.json) and the evaluations' graders."""
+    run = Path(cell.run_dir) if cell.run_dir else cell_run_dir(out, cell)
+    d: dict = {"cell": cell.name, "state": cell.state, "run_dir": None, "steps": None, "of": None,
+               "history": [], "reward_grader": None, "eval_graders": []}
+    if run is None or not run.exists():
+        return d
+    inside = run.resolve().is_relative_to(out.resolve())  # the manifest's paths are absolute, --out may not be
+    d["run_dir"] = str(run.resolve().relative_to(out.resolve())) if inside else str(run)
+    d["steps"] = max((r["step"] for r in read_jsonl(run / "metrics.jsonl") if isinstance(r.get("step"), int)),
+                     default=0)
+    d["of"] = run_total_steps(run)
+    d["history"] = [{"event": h.get("event", "?"), "step": h.get("step"), "commit": h.get("git_sha")}
+                    for h in read_jsonl(run / "config-history.jsonl")]
+    try:
+        d["reward_grader"] = json.loads((run / "meta.json").read_text()).get("reward_grader")
+    except (OSError, ValueError):
+        pass
+    d["eval_graders"] = sorted({str(res.get("grader")) for _, _, res in run_evaluation_results(run)})
+    return d
+
+
+def provenance_markdown(prov: dict) -> list[str]:
+    """The report's last section: the grid's command, what wrote the report, and one row per cell."""
+    lines = ["", "## Provenance", "",
+             f"The grid: `{prov['command']}` (its manifest: sweep.json; the same command resumes or skips each "
+             f"cell). This report was written at {prov['written']} by stare at commit {prov['commit'] or 'unknown'}.",
+             "", "Each cell is a run directory with its reproduction card (REPRODUCE.md) and its "
+             "config-history.jsonl (every start, resume and restart, with the command and the commit):", "",
+             "| cell | state | steps | run directory | starts and resumes (step, commit) | graders: reward; evaluation |",
+             "|---|---|---|---|---|---|"]
+    for c in prov["cells"]:
+        steps = "-" if c["steps"] is None else f"{c['steps']} of {c['of'] if c['of'] is not None else '?'}"
+        hist = "; ".join(f"{h['event']} {h['step']} {_short_sha(h['commit'])}" for h in c["history"]) or "-"
+        graders = f"{c['reward_grader'] or '-'}; {', '.join(c['eval_graders']) or '-'}"
+        lines.append(f"| {c['cell']} | {c['state']} | {steps} | {c['run_dir'] or '-'} | {hist} | {graders} |")
+    return lines
+
+
 def _report(spec: SweepSpec, out: Path, done: list[Cell], paper: Optional[str],
             cells: Optional[list[Cell]] = None) -> tuple[str, list[str]]:
     """table.md / table.csv (`stare compare` over the finished cells), the dynamics plot, and
@@ -687,7 +759,10 @@ def _report(spec: SweepSpec, out: Path, done: list[Cell], paper: Optional[str],
     summary = {"settings": spec.settings(), "baseline": baseline,
                "cells": {"finished": [c.name for c in cells if c.state == "done"],
                          "not_finished": {c.name: c.state for c in cells if c.state != "done"}},
-               "methods": per_method}
+               "methods": per_method,
+               "provenance": {"command": sweep_command(spec, cells, out),
+                              "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "commit": git_sha(),
+                              "cells": [cell_provenance(out, c) for c in cells]}}
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
     atomic_write_text(out / "report.md", report_markdown(summary))
     plots += [str(p) for p in plot_evals_over_training(
@@ -771,7 +846,8 @@ def over_seeds_text(o: Optional[dict], digits: int, scale: float = 1.0) -> str:
 
 
 def report_markdown(summary: dict) -> str:
-    """summary.json as tables: the Fig. 3 numbers, then each evaluation's pass@k over seeds."""
+    """summary.json as tables: the Fig. 3 numbers, each evaluation's pass@k over seeds, the paired
+    differences, then the provenance (where summary.json has it)."""
     lines = [f"# Sweep report: {summary['settings']['recipe']}", ""]
     cells = summary.get("cells")
     if cells:
@@ -820,4 +896,6 @@ def report_markdown(summary: dict) -> str:
             cells = ["–" if x not in e else f"{e[x]['mean']:+.1f} [{e[x]['ci95'][0]:+.1f}, {e[x]['ci95'][1]:+.1f}]"
                      for x in metrics]
             lines.append(f"| {key} | {', '.join(map(str, seeds))} | " + " | ".join(cells) + " |")
+    if summary.get("provenance"):
+        lines += provenance_markdown(summary["provenance"])
     return "\n".join(lines) + "\n"
