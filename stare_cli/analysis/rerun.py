@@ -10,8 +10,8 @@ compares
                              checkpoint), its metrics and its samples (prompt, response, verdicts) line by
                              line, but for their `key` (a hash of the settings, path included).
 A rerun that is still running, or was stopped, is compared over its prefix: the answer says how many of
-the original's steps it covers. Keys logged by one run only (a newer commit may log more) are named and
-not compared.
+the original's steps it covers. Keys logged by one run only at the steps compared (a newer commit may log
+more) are named and not compared.
 """
 
 from __future__ import annotations
@@ -116,8 +116,10 @@ def compare_runs(a: Path, b: Path) -> RunAgreement:
     ra, rb = _rows_by_step(a), _rows_by_step(b)
     ag = RunAgreement(max(ra, default=0), max(rb, default=0))
     ag.steps = sorted(set(ra) & set(rb))
-    keys_a = {k for r in ra.values() for k in r if not k.startswith(NOT_COMPARED)}
-    keys_b = {k for r in rb.values() for k in r if not k.startswith(NOT_COMPARED)}
+    # keys over the compared steps only: a key the original logs past a partial rerun's last step (an
+    # evaluation's, at step 15 of a rerun stopped at 9) is not yet logged, not logged by one run only
+    keys_a = {k for s in ag.steps for k in ra[s] if not k.startswith(NOT_COMPARED)}
+    keys_b = {k for s in ag.steps for k in rb[s] if not k.startswith(NOT_COMPARED)}
     for side, mine, theirs in (("a", keys_a, keys_b), ("b", keys_b, keys_a)):
         if mine - theirs:
             ag.only_in.setdefault(side, []).append("metrics " + ", ".join(sorted(mine - theirs)))
