@@ -178,6 +178,21 @@ def test_ci_over_seeds_and_over_problems(cli, tmp_path):
     assert "30.0 [20.0, 41.0]" in md
 
 
+def test_a_ci_over_seeds_stays_within_0_and_100(cli, tmp_path):
+    """pass@32 of three seeds at 80, 100, 100 (each avg + 20, at most 100): mean 93.33, sd 11.547, half
+    width t_{0.975,2} 4.303 x 11.547 / sqrt(3) = 28.69 -> [64.65, 122.0], cut at 100: no mean is above it.
+    The pass@k plot's band is cut the same way."""
+    from stare_cli.analysis.compare import load_inputs, passk_curves
+
+    runs = [_run(tmp_path, "grpo-ds", s, {"aime24": v}) for s, v in ((1, 60.0), (2, 80.0), (3, 80.0))]
+    code, out, _ = cli("compare", *map(str, runs), "--format", "json", "--ci", "--metric", "pass@32")
+    cell = json.loads(out)["rows"][0]["cells"]["aime24"]
+    assert code == 0 and cell["seeds"] == 3
+    assert cell["ci95"][0] == pytest.approx(64.65, abs=0.01) and cell["ci95"][1] == 100.0
+    (curve,) = passk_curves(load_inputs(runs), "aime24").values()
+    assert curve.hi[-1] == 100.0 and curve.lo[-1] == pytest.approx(64.65, abs=0.01)
+
+
 def test_pass_at_k_legend_labels_are_distinct(tmp_path):
     from stare_cli.analysis.compare import Result, legend_labels
 
@@ -201,7 +216,8 @@ def test_pass_at_k_curves_average_a_labels_seeds_with_an_interval(tmp_path):
     assert mean.lo == [10.0, 15.0, 30.0] and mean.hi == [20.0, 25.0, 50.0]  # two seeds: their range
     three = passk_curves([*rs, r("stare-o1", 3, 30.0, 70.0, "d")], "aime24")["STARE-O1 (3 seeds, mean, 95% t-interval)"]
     # pass@1 10, 20, 30: mean 20, sd 10, half width t_{0.975,2} 4.303 x 10 / sqrt(3) = 24.844
-    assert three.mean[0] == 20.0 and three.lo[0] == pytest.approx(20.0 - 24.844, abs=1e-3)
+    # -> [-4.844, 44.844], its low end cut at 0: no pass@1 is below it
+    assert three.mean[0] == 20.0 and three.lo[0] == 0.0
     assert three.hi[0] == pytest.approx(20.0 + 24.844, abs=1e-3)
     single = curves["GRPO-ds (seed 1)"]  # one run: its own curve, no interval
     assert single.mean == [5.0, 10.0, 9.0] and single.lo == []

@@ -392,6 +392,35 @@ def test_evaluations_are_paired_by_seed_against_the_first_method(tmp_path):
     assert "| toy:arith n=4 step=6 | 1, 2 | +4.5 [+3.0, +6.0] | +4.5 [+3.0, +6.0] |" in report
 
 
+def test_an_interval_over_seeds_holds_only_values_the_mean_can_take(tmp_path):
+    """pass@k is a percentage, so its mean over seeds lies in [0, 100] and a difference of two in
+    [-100, 100]; a t-interval is cut there (issue 48's report printed pass@32 as 85.2 [64.7, 105.6])."""
+    from benchmarks.evaluation.metrics import seed_interval
+    from stare_cli.analysis.sweep import _run_evaluations, eval_summary, paired_differences
+
+    # 75, 100, 100, 100: mean 93.75; squared deviations 18.75^2 + 3 x 6.25^2 = 351.5625 + 117.1875 = 468.75,
+    # /3 -> sd 12.5; half width t_{0.975,3} 3.182 x 12.5 / sqrt(4) = 19.8875 -> [73.8625, 113.6375]
+    lo, hi, kind = seed_interval([75.0, 100.0, 100.0, 100.0])
+    assert (lo, hi, kind) == (pytest.approx(73.8625), pytest.approx(113.6375), "t95")
+    lo, hi, kind = seed_interval([75.0, 100.0, 100.0, 100.0], within=(0.0, 100.0))
+    assert (lo, hi, kind) == (pytest.approx(73.8625), 100.0, "t95")
+    assert seed_interval([5.0, 0.0, 0.0, 0.0], within=(0.0, 100.0))[0] == 0.0  # mirrored: -3.6375 cut at 0
+    assert seed_interval([90.0, 100.0], within=(0.0, 100.0)) == (90.0, 100.0, "range")  # a range is never cut
+
+    def run(name: str, v: float) -> Path:
+        _setting(tmp_path / name / "eval" / "step-000006" / "toy-arith", "aaaa", 4, 8, v)
+        return tmp_path / name
+
+    meth = {s: run(f"m{s}", v) for s, v in zip((1, 2, 3, 4), (75.0, 100.0, 100.0, 100.0))}
+    base = {s: run(f"b{s}", v) for s, v in zip((1, 2, 3, 4), (25.0, 0.0, 0.0, 0.0))}
+    s = eval_summary(list(meth.values()))["toy:arith n=4 step=6"]["pass@1"]
+    assert s["mean"] == 93.75 and s["ci95"] == [pytest.approx(73.8625), 100.0]
+    # differences 50, 100, 100, 100: mean 87.5, sd 25, half width 3.182 x 25 / 2 = 39.775 -> [47.725, 127.275]
+    d = paired_differences({k: _run_evaluations(v) for k, v in meth.items()},
+                           {k: _run_evaluations(v) for k, v in base.items()})["toy:arith n=4 step=6"]["pass@1"]
+    assert d["mean"] == 87.5 and d["ci95"] == [pytest.approx(47.725), 100.0]
+
+
 def test_summary_carries_each_methods_own_numbers():
     """STAPO's silenced share, the covariance kernel's mean weight, STARE's L+/L- shares and KL-Cov's
     penalised share are averaged over the steps that logged them; methods that never log them have no

@@ -411,7 +411,7 @@ def build_rows(results: list[Result], metric: str = "avg", benches: tuple[str, .
                         problem_ci = m.get(f"ci95/{k}")
             cells[b] = (statistics.fmean(vals), statistics.stdev(vals) if len(vals) > 1 else 0.0, len(vals)) if vals else None
             if len(vals) > 1:  # over seeds
-                lo, hi, kind = seed_interval(vals)
+                lo, hi, kind = seed_interval(vals, within=(0.0, 100.0))  # pass@k, avg@k, maj@k: in %
                 ci[b] = (lo, hi)
                 kinds.add(kind)
             elif problem_ci:  # one seed: over problems (from results.json)
@@ -433,7 +433,7 @@ def build_rows(results: list[Result], metric: str = "avg", benches: tuple[str, .
         note = "; ".join(f"{b}: {_describe(p)}" for b, p in proto.items() if b in mixed) if flagged else (
             "limited" if lim else "")
         if len(per_seed_avgs) > 1:
-            lo, hi, kind = seed_interval(per_seed_avgs)
+            lo, hi, kind = seed_interval(per_seed_avgs, within=(0.0, 100.0))
             ci["avg"] = (lo, hi)
             kinds.add(kind)
         steps = sorted({p.step for p in proto.values() if p.step is not None})
@@ -539,7 +539,7 @@ def add_delta(rows: list[Row], baseline: Optional[str], info: Optional[dict] = N
                     f"{_title(r.label)} (seeds {', '.join(map(str, seeds))}; {_title(base.label)}: seeds "
                     f"{', '.join(map(str, sorted(base.seed_avgs))) or 'none'})")
             continue
-        lo, hi, kind = seed_interval([r.seed_avgs[k] - base.seed_avgs[k] for k in seeds])
+        lo, hi, kind = seed_interval([r.seed_avgs[k] - base.seed_avgs[k] for k in seeds], within=(-100.0, 100.0))
         out[i] = Delta(r.avg[0] - base.avg[0], (lo, hi), len(seeds), kind)
         if info is not None:
             info.setdefault("paired", []).append(f"{_title(r.label)}: seeds {', '.join(map(str, seeds))}")
@@ -760,7 +760,7 @@ def passk_curves(results: list[Result], bench: str) -> dict[str, PassKCurve]:
         if len(rs) > 1 and len({r.seed for r in rs}) == len(rs) and all(ks == ks_of[0] for ks in ks_of):
             ks = ks_of[0]
             vals = [[r.metrics[bench][f"pass@{k}"] for r in rs] for k in ks]
-            cis = [seed_interval(v) for v in vals]
+            cis = [seed_interval(v, within=(0.0, 100.0)) for v in vals]
             what = {"t95": "95% t-interval", "range": "range"}[cis[0][2]]
             out[f"{_title(label)} ({len(rs)} seeds, mean, {what})"] = PassKCurve(
                 ks, [sum(v) / len(v) for v in vals], [c[0] for c in cis], [c[1] for c in cis])

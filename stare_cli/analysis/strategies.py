@@ -88,6 +88,6 @@ def strategy_table(sweep_dir: Path, bench: str = "toy:explore-hard") -> str:
     lines = [f"Strategies on {bench} ({SEED_INTERVALS}; in %)", "",
              "| method | evaluation | seeds | " + " | ".join(cols) + " |", "|---|---|---|" + "---|" * len(cols)]
     for (method, key), vals in sorted(per.items(), key=lambda kv: (kv[0][1].split()[1], kv[0][1], kv[0][0])):
-        o = seeds_summary(vals)
+        o = seeds_summary(vals, within=(0.0, 1.0))  # shares
         lines.append(f"| {method} | {key} | {len(vals)} | " + " | ".join(over_seeds_text(o.get(c), 1, 100) for c in cols) + " |")
     return "\n".join(lines) + "\n"

@@ -636,10 +636,11 @@ def _logged_mean(rows: list[dict], key: str, name: str, tail: bool = True) -> di
     return {name: sum(vals) / len(vals)} if vals else {}
 
 
-def seeds_summary(per_seed: list[dict]) -> dict:
+def seeds_summary(per_seed: list[dict], within: Optional[tuple[float, float]] = None) -> dict:
     """Mean, sample std and interval over seeds of every numeric summary value: {key: {"mean", "std", "n",
     "ci95", "kind"}}, the interval `seed_interval`'s (95% t for 3+ seeds, the range for 2, as `stare compare
-    --ci` and the paired differences), none for one seed ("ci95" None, std 0)."""
+    --ci` and the paired differences; cut to `within`, the range every value's mean can take), none for
+    one seed ("ci95" None, std 0)."""
     from benchmarks.evaluation.metrics import seed_interval
 
     out: dict[str, dict] = {}
@@ -648,7 +649,7 @@ def seeds_summary(per_seed: list[dict]) -> dict:
         vals = [float(s[k]) for s in per_seed if s.get(k) is not None]
         if not vals:
             continue
-        lo, hi, kind = seed_interval(vals) if len(vals) > 1 else (None, None, "one seed")
+        lo, hi, kind = seed_interval(vals, within) if len(vals) > 1 else (None, None, "one seed")
         out[k] = {"mean": statistics.fmean(vals), "std": statistics.stdev(vals) if len(vals) > 1 else 0.0,
                   "n": len(vals), "ci95": None if lo is None else [lo, hi], "kind": kind}
     return out
@@ -778,7 +779,7 @@ def eval_summary(runs: list[Path]) -> dict:
     for run in runs:
         for key, metrics in _run_evaluations(run).items():
             per.setdefault(key, []).append(metrics)
-    return {k: seeds_summary(per[k]) for k in sorted(per, key=_eval_order)}
+    return {k: seeds_summary(per[k], within=(0.0, 100.0)) for k in sorted(per, key=_eval_order)}  # all in %
 
 
 def run_evaluation_results(run: Path):
@@ -824,7 +825,7 @@ def paired_differences(method: dict[int, dict[str, dict]], baseline: dict[int, d
         metrics = [x for x in method[seeds[0]][key] if all(x in method[s][key] and x in baseline[s][key] for s in seeds)]
         for x in metrics:
             diffs = [method[s][key][x] - baseline[s][key][x] for s in seeds]
-            lo, hi, kind = seed_interval(diffs)
+            lo, hi, kind = seed_interval(diffs, within=(-100.0, 100.0))  # of two percentages
             out.setdefault(key, {})[x] = {"mean": statistics.fmean(diffs), "ci95": [lo, hi], "kind": kind,
                                           "seeds": seeds}
     return out
