@@ -169,6 +169,10 @@ _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 
          2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
 
 
+PERCENT = (0.0, 100.0)  # what a mean of percentages (pass@k, avg@k, maj@k) can take: `seed_interval`'s `within`
+PERCENT_DIFFERENCE = (-100.0, 100.0)  # and a difference of two
+
+
 def seed_interval(values: Sequence[float], within: Optional[tuple[float, float]] = None) -> tuple[float, float, str]:
     """An interval for the mean over seeds that is honest at small counts: (low, high, kind).
 

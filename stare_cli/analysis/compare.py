@@ -360,7 +360,7 @@ def build_rows(results: list[Result], metric: str = "avg", benches: tuple[str, .
     """Group by (label, identity of each benchmark); mean ± std over the seeds of a group (one result per
     seed). Returns rows and header info: `mixed` (benchmarks whose rows differ in more than the label: no
     best, no delta there), `why` (what differs), `intervals` (the kinds of interval shown)."""
-    from benchmarks.evaluation.metrics import seed_interval
+    from benchmarks.evaluation.metrics import PERCENT, seed_interval
 
     by_method: dict[str, list[Result]] = {}
     for r in results:
@@ -411,7 +411,7 @@ def build_rows(results: list[Result], metric: str = "avg", benches: tuple[str, .
                         problem_ci = m.get(f"ci95/{k}")
             cells[b] = (statistics.fmean(vals), statistics.stdev(vals) if len(vals) > 1 else 0.0, len(vals)) if vals else None
             if len(vals) > 1:  # over seeds
-                lo, hi, kind = seed_interval(vals, within=(0.0, 100.0))  # pass@k, avg@k, maj@k: in %
+                lo, hi, kind = seed_interval(vals, within=PERCENT)  # pass@k, avg@k, maj@k
                 ci[b] = (lo, hi)
                 kinds.add(kind)
             elif problem_ci:  # one seed: over problems (from results.json)
@@ -433,7 +433,7 @@ def build_rows(results: list[Result], metric: str = "avg", benches: tuple[str, .
         note = "; ".join(f"{b}: {_describe(p)}" for b, p in proto.items() if b in mixed) if flagged else (
             "limited" if lim else "")
         if len(per_seed_avgs) > 1:
-            lo, hi, kind = seed_interval(per_seed_avgs, within=(0.0, 100.0))
+            lo, hi, kind = seed_interval(per_seed_avgs, within=PERCENT)
             ci["avg"] = (lo, hi)
             kinds.add(kind)
         steps = sorted({p.step for p in proto.values() if p.step is not None})
@@ -509,7 +509,7 @@ def add_delta(rows: list[Row], baseline: Optional[str], info: Optional[dict] = N
     ours whose evaluations differ from the baseline row's in anything but the method (step, grader, data,
     protocol, ...): `info["no_delta"]` says which and why; `info["paired"]` / `info["unpaired"]` which
     rows have a paired interval and which not (their seeds differ)."""
-    from benchmarks.evaluation.metrics import seed_interval
+    from benchmarks.evaluation.metrics import PERCENT_DIFFERENCE, seed_interval
 
     if not baseline:
         return {}
@@ -539,7 +539,7 @@ def add_delta(rows: list[Row], baseline: Optional[str], info: Optional[dict] = N
                     f"{_title(r.label)} (seeds {', '.join(map(str, seeds))}; {_title(base.label)}: seeds "
                     f"{', '.join(map(str, sorted(base.seed_avgs))) or 'none'})")
             continue
-        lo, hi, kind = seed_interval([r.seed_avgs[k] - base.seed_avgs[k] for k in seeds], within=(-100.0, 100.0))
+        lo, hi, kind = seed_interval([r.seed_avgs[k] - base.seed_avgs[k] for k in seeds], within=PERCENT_DIFFERENCE)
         out[i] = Delta(r.avg[0] - base.avg[0], (lo, hi), len(seeds), kind)
         if info is not None:
             info.setdefault("paired", []).append(f"{_title(r.label)}: seeds {', '.join(map(str, seeds))}")
@@ -747,7 +747,7 @@ def passk_curves(results: list[Result], bench: str) -> dict[str, PassKCurve]:
     """The pass@k curves to draw for a benchmark, by legend entry: the seeds of one label (several
     runs with distinct seeds) become one mean curve with `seed_interval`'s interval (95% t for 3+ seeds,
     the range for 2); everything else one curve per run."""
-    from benchmarks.evaluation.metrics import seed_interval
+    from benchmarks.evaluation.metrics import PERCENT, seed_interval
 
     labels = dict(zip(map(id, results), legend_labels(results)))
     by_label: dict[str, list[Result]] = {}
@@ -760,7 +760,7 @@ def passk_curves(results: list[Result], bench: str) -> dict[str, PassKCurve]:
         if len(rs) > 1 and len({r.seed for r in rs}) == len(rs) and all(ks == ks_of[0] for ks in ks_of):
             ks = ks_of[0]
             vals = [[r.metrics[bench][f"pass@{k}"] for r in rs] for k in ks]
-            cis = [seed_interval(v, within=(0.0, 100.0)) for v in vals]
+            cis = [seed_interval(v, within=PERCENT) for v in vals]
             what = {"t95": "95% t-interval", "range": "range"}[cis[0][2]]
             out[f"{_title(label)} ({len(rs)} seeds, mean, {what})"] = PassKCurve(
                 ks, [sum(v) / len(v) for v in vals], [c[0] for c in cis], [c[1] for c in cis])

@@ -427,8 +427,12 @@ def _share_left(run_dir: Optional[Path]) -> float:
     total = run_total_steps(run_dir) if run_dir is not None else None
     if not total:
         return 1.0
-    steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if "step" in r]
-    return max(0.0, 1.0 - max(steps, default=0) / total)
+    return max(0.0, 1.0 - _last_logged_step(run_dir) / total)
+
+
+def _last_logged_step(run_dir: Path) -> int:
+    """The last step in a run directory's metrics.jsonl, 0 before its first."""
+    return max((r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if isinstance(r.get("step"), int)), default=0)
 
 
 def _interim_report(spec: SweepSpec, out: Path, cells: list[Cell], paper: Optional[str], log: _Log) -> None:
@@ -695,8 +699,7 @@ def cell_provenance(out: Path, cell: Cell) -> dict:
         return d
     inside = run.resolve().is_relative_to(out.resolve())  # the manifest's paths are absolute, --out may not be
     d["run_dir"] = str(run.resolve().relative_to(out.resolve())) if inside else str(run)
-    d["steps"] = max((r["step"] for r in read_jsonl(run / "metrics.jsonl") if isinstance(r.get("step"), int)),
-                     default=0)
+    d["steps"] = _last_logged_step(run)
     d["of"] = run_total_steps(run)
     d["history"] = [{"event": h.get("event", "?"), "step": h.get("step"), "commit": h.get("git_sha")}
                     for h in read_jsonl(run / "config-history.jsonl")]
@@ -774,12 +777,14 @@ def _report(spec: SweepSpec, out: Path, done: list[Cell], paper: Optional[str],
 def eval_summary(runs: list[Path]) -> dict:
     """Evaluation metrics of a method's runs (seeds), per benchmark and protocol: every results.json
     under run/eval (the in-training ones per step, and final ones such as `--eval`), each metric's
-    mean, std and 95% interval over seeds. Keys: '<bench> n=<N> step=<S>'."""
+    mean, std and 95% interval over seeds (all percentages). Keys: '<bench> n=<N> step=<S>'."""
+    from benchmarks.evaluation.metrics import PERCENT
+
     per: dict[str, list[dict]] = {}
     for run in runs:
         for key, metrics in _run_evaluations(run).items():
             per.setdefault(key, []).append(metrics)
-    return {k: seeds_summary(per[k], within=(0.0, 100.0)) for k in sorted(per, key=_eval_order)}  # all in %
+    return {k: seeds_summary(per[k], within=PERCENT) for k in sorted(per, key=_eval_order)}
 
 
 def run_evaluation_results(run: Path):
@@ -814,7 +819,7 @@ def paired_differences(method: dict[int, dict[str, dict]], baseline: dict[int, d
     seeds that have the key in both (two or more): {key: {metric: {"mean", "ci95", "kind", "seeds"}}},
     the interval `seed_interval`'s (95% t for 3+ seeds, the range for 2). Arguments: seed -> key -> metrics
     (`_run_evaluations` per seed)."""
-    from benchmarks.evaluation.metrics import seed_interval
+    from benchmarks.evaluation.metrics import PERCENT_DIFFERENCE, seed_interval
 
     keys = sorted({k for ev in method.values() for k in ev}, key=_eval_order)
     out: dict[str, dict] = {}
@@ -825,7 +830,7 @@ def paired_differences(method: dict[int, dict[str, dict]], baseline: dict[int, d
         metrics = [x for x in method[seeds[0]][key] if all(x in method[s][key] and x in baseline[s][key] for s in seeds)]
         for x in metrics:
             diffs = [method[s][key][x] - baseline[s][key][x] for s in seeds]
-            lo, hi, kind = seed_interval(diffs, within=(-100.0, 100.0))  # of two percentages
+            lo, hi, kind = seed_interval(diffs, within=PERCENT_DIFFERENCE)
             out.setdefault(key, {})[x] = {"mean": statistics.fmean(diffs), "ci95": [lo, hi], "kind": kind,
                                           "seeds": seeds}
     return out
