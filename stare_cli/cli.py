@@ -29,7 +29,7 @@ _CLICK = (click.exceptions.ClickException, _tce.ClickException)
 
 from stare_cli import __version__
 from stare_cli.core.config import MAX_GROUP, MAX_TOKENS
-from stare_cli.core.errors import Interrupted, StareError, UsageError, table_console
+from stare_kernel.errors import Interrupted, StareError, UsageError, table_console
 
 app = typer.Typer(
     name="stare",
@@ -524,9 +524,11 @@ def compare(
 
     if metric != "avg" and not re.fullmatch(r"(pass|maj)@[1-9]\d{0,3}", metric):
         raise UsageError(f"unknown metric '{metric}'", hint="avg, pass@k or maj@k (k from 1 to the samples per problem)")
-    results = C.load_inputs(runs, step)
+    notes: list[str] = []
+    results = C.load_inputs(runs, step, notes)
     cols = C.columns(results, with_paper=paper is not None)
     rows, info = C.build_rows(results, metric, cols)
+    info["reader_notes"] = notes
     if paper:
         rows = rows + C.paper_rows(paper, cols)
         if metric != "avg":

@@ -24,7 +24,7 @@ from baselines import (
 )
 from baselines.losses import gspo_token_losses, kl_cov_loss, ppo_clip_token_losses
 from baselines.registry import METHODS, UnknownMethodError, lookup_method
-from stare_cli.core.errors import StareError
+from stare_kernel.errors import StareError
 from stare_cli.method.layer import LossInputs, MethodLayer
 from stare_cli.core.resolve import check_method, load_recipe
 

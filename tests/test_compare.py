@@ -221,38 +221,39 @@ def test_pass_at_k_curves_average_a_labels_seeds_with_an_interval(tmp_path):
     assert three.hi[0] == pytest.approx(20.0 + 24.844, abs=1e-3)
     single = curves["GRPO-ds (seed 1)"]  # one run: its own curve, no interval
     assert single.mean == [5.0, 10.0, 9.0] and single.lo == []
-    # two runs of one label with the same seed are two runs, not seeds: drawn apart
+    # two results of one label, identity and seed are one seed evaluated twice: the later counts, as in the
+    # table (its "Seed repeated" note), never two seeds
     same = passk_curves([r("stare-o1", 1, 10.0, 30.0, "a"), r("stare-o1", 1, 20.0, 50.0, "b")], "aime24")
-    assert len(same) == 2 and all(not c.lo for c in same.values())
+    assert list(same) == ["STARE-O1 (seed 1)"] and same["STARE-O1 (seed 1)"].mean == [20.0, 25.0, 50.0]
 
 
 def test_rows_of_one_model_under_different_protocols_are_named_apart_and_never_bolded_against_each_other():
     """Issue 30, item 14: three evaluations of one model (N=1, N=2, N=1 at T=0.5) were three rows all
     labelled 'arith-v1 *', and one was bolded as best across protocols."""
-    from stare_cli.analysis.compare import Identity, Result, build_rows, render
+    from stare_cli.analysis.compare import Result, build_rows, make_identity, render
 
     def res(n, t, acc):
         return Result("arith-v1", 0, f"src-{n}-{t}", metrics={"toy:arith": {"n": n, f"avg@{n}": acc, "problems": 8}},
-                      protocol={"toy:arith": Identity(n, t, 1.0, "raw", 56, True)}, config={"model": "arith-v1"})
+                      protocol={"toy:arith": make_identity(n=n, temperature=t, top_p=1.0, template="raw", max_tokens=56, partial=True)}, config={"model": "arith-v1"})
 
     rows, info = build_rows([res(1, 1.0, 0.0), res(2, 1.0, 37.5), res(1, 0.5, 40.0)], "avg", ("toy:arith",))
-    assert [r.label for r in rows] == ["arith-v1 [N=1, T=1.0]", "arith-v1 [N=2, T=1.0]", "arith-v1 [N=1, T=0.5]"]
+    assert [r.label for r in rows] == ["arith-v1 [n=1, temperature=1.0]", "arith-v1 [n=2, temperature=1.0]", "arith-v1 [n=1, temperature=0.5]"]
     assert info["mixed"] == ["toy:arith"]
     md = render(rows, info, "md", {}, ("toy:arith",))
     assert "**" not in md  # 40.0 is not "best": its protocol differs from the others'
     # one protocol: a best exists, and the labels stay plain
     rows, info = build_rows([res(2, 1.0, 37.5), Result("other", 0, "o", metrics={"toy:arith": {"n": 2, "avg@2": 50.0}},
-                                                            protocol={"toy:arith": Identity(2, 1.0, 1.0, "raw", 56, True)})],
+                                                            protocol={"toy:arith": make_identity(n=2, temperature=1.0, top_p=1.0, template="raw", max_tokens=56, partial=True)})],
                             "avg", ("toy:arith",))
     assert [r.label for r in rows] == ["arith-v1", "other"]
     assert "**50.0**" in render(rows, info, "md", {}, ("toy:arith",))
 
 
 def test_a_maj_table_says_how_ties_are_voted():
-    from stare_cli.analysis.compare import Identity, Result, build_rows, render
+    from stare_cli.analysis.compare import Result, build_rows, make_identity, render
 
     res = Result("arith-v1", 0, "s", metrics={"toy:arith": {"n": 2, "avg@2": 50.0, "maj@2": 0.0, "problems": 8}},
-                 protocol={"toy:arith": Identity(2, 1.0, 1.0, "raw", 56, True)})
+                 protocol={"toy:arith": make_identity(n=2, temperature=1.0, top_p=1.0, template="raw", max_tokens=56, partial=True)})
     rows, info = build_rows([res], "maj@2", ("toy:arith",))
     md = render(rows, info, "md", {}, ("toy:arith",))
     assert "maj@2: the expected majority vote over 2 of the samples; answers that tie for most votes go to the one seen first" in md
@@ -278,7 +279,8 @@ def test_every_pass_at_k_panel_has_its_own_legend(tmp_path, monkeypatch):
 def test_every_evaluation_into_one_folder_is_a_row_of_its_own(cli, tmp_path, quick_toy):
     """Issue 30, item 14: two `stare eval` runs into one folder (N=1, then N=2) showed as one row,
     the latest; each evaluation now records an id, and compare shows each, named by what differs.
-    A regrade keeps the ids."""
+    A regrade keeps the ids; its records (another grader) are rows of their own beside the first grader's,
+    each named by what differs, never pooled with them or put in their place."""
     out = tmp_path / "ev"
     base = ["eval", "--bench", "toy:arith", "--model", str(quick_toy), "--limit", "8", "--out", str(out),
             "--engine", "hf", "--workers", "0"]
@@ -287,10 +289,12 @@ def test_every_evaluation_into_one_folder_is_a_row_of_its_own(cli, tmp_path, qui
     code, md, err = cli("compare", str(out), "--format", "md")
     assert code == 0, err
     rows = [ln for ln in md.splitlines() if ln.startswith("| arith")]
-    assert len(rows) == 2 and "[N=1]" in rows[0] and "[N=2]" in rows[1], md
+    assert len(rows) == 2 and "[n=1]" in rows[0] and "[n=2]" in rows[1], md
     assert cli("eval", "--regrade", str(out), "--grader", "stare-official", "--workers", "0")[0] == 0
     code, md, err = cli("compare", str(out), "--format", "md")
-    assert len([ln for ln in md.splitlines() if ln.startswith("| arith")]) == 2, md
+    rows = [ln for ln in md.splitlines() if ln.startswith("| arith")]
+    assert len(rows) == 4, md
+    assert sum("grader=stare-official@" in ln for ln in rows) == 2 and sum("grader=math-verify@" in ln for ln in rows) == 2
 
 
 # ------------------------------------------------------------------ issue 43: what a row is
@@ -378,8 +382,12 @@ def test_a_run_row_is_its_own_evaluation_not_an_ad_hoc_one(cli, tmp_path):
     _ev(run / "eval" / "step-3", 12.5, bench="toy:arith", model=str(run / "checkpoints" / "step-3"), seed=0,
         problems=16, limit=16)
     js = _json(cli, run)
-    (row,) = js["rows"]
+    # the run's row is its own evaluation; the ad-hoc one (another model path, 16 problems) is a row of its own,
+    # never pooled with it or put in its place
+    (row,) = [r for r in js["rows"] if r["label"] == "GRPO-ds"]
     assert row["cells"]["toy:arith"]["mean"] == 41.0 and row["identity"]["toy:arith"]["problems"] == 64
+    (adhoc,) = [r for r in js["rows"] if r["label"] != "GRPO-ds"]
+    assert adhoc["cells"]["toy:arith"]["mean"] == 12.5 and adhoc["identity"]["toy:arith"]["problems"] == 16
 
 
 def test_a_repeated_seed_replaces_never_adds(cli, tmp_path):
@@ -466,10 +474,10 @@ def test_stares_selected_share_and_gate_get_a_panel_when_a_run_logged_them(tmp_p
 def test_a_difference_with_a_field_one_side_lacks_reads_as_a_dash():
     """The walk-through of issue 44: a run's step-2 evaluation beside the model's own evaluation was
     explained as 'step 2/None'."""
-    from stare_cli.analysis.compare import Identity, _differences
+    from stare_cli.analysis.compare import _differences, make_identity
 
-    run = Identity(2, 0.6, 1.0, "short", 64, True, step=2)
-    model = Identity(2, 0.6, 1.0, "short", 64, True)
+    run = make_identity(n=2, temperature=0.6, top_p=1.0, template="short", max_tokens=64, partial=True, step=2)
+    model = make_identity(n=2, temperature=0.6, top_p=1.0, template="short", max_tokens=64, partial=True)
     assert _differences([run, model]) == ["step 2/-"]
 
 

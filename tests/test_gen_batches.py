@@ -111,7 +111,7 @@ def test_both_backends_train_on_the_same_groups(monkeypatch):
 
 def test_both_backends_stop_after_max_gen_batches(monkeypatch):
     from stare_cli.backends.verl_sampler import ShortBatchError
-    from stare_cli.core.errors import StareError
+    from stare_kernel.errors import StareError
 
     with pytest.raises(StareError, match="3 generation batches kept 1 groups"):
         _embedded(SHORT)

@@ -23,9 +23,10 @@ def test_the_layer_contracts_hold():
     r = _lint(REPO)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert "Layers follow the data KEPT" in r.stdout and "No import cycles between the modules of a package KEPT" in r.stdout
+    assert "Library code never imports stare_cli KEPT" in r.stdout
 
 
-def _copy_sources(dst: Path, packages=("stare_cli", "benchmarks", "baselines", "recipes")) -> None:
+def _copy_sources(dst: Path, packages=("stare_cli", "stare_kernel", "benchmarks", "baselines", "recipes")) -> None:
     """The Python files of `packages` (and pyproject.toml) under dst."""
     for pkg in packages:
         shutil.copytree(REPO / pkg, dst / pkg, ignore=lambda d, names: [n for n in names if not (
@@ -49,13 +50,24 @@ def test_an_upward_import_or_a_cycle_breaks_the_contract(tmp_path):
     assert r.returncode == 1 and "No import cycles between the modules of a package BROKEN" in r.stdout, r.stdout[-2000:]
 
 
+def test_library_code_reaching_up_into_stare_cli_breaks_the_contract(tmp_path):
+    """Issue 67: benchmarks/ imported stare_cli.core (errors, run I/O), the one dependency in the layout that ran
+    back up; the kernel (stare_kernel) now sits below both, and a forbidden contract says so."""
+    _copy_sources(tmp_path)
+    ev = tmp_path / "benchmarks" / "evaluation" / "metrics.py"
+    ev.write_text(ev.read_text() + "\n\ndef _upward():\n    from stare_cli.core import runs  # noqa\n")
+    r = _lint(tmp_path)
+    assert r.returncode == 1 and "Library code never imports stare_cli BROKEN" in r.stdout, r.stdout[-2000:]
+    assert "benchmarks.evaluation.metrics -> stare_cli.core.runs" in r.stdout
+
+
 
 def _cycles(root: Path) -> list[tuple[str, ...]]:
     """Every import cycle of the project's module graph, as one chain per edge a -> b that b leads back
     from. Unlike import-linter's acyclic_siblings contract, this sees cycles through a package's own
     __init__ (a package importing its submodule, which imports the package back: issue 49, item 4)."""
     code = ("import grimp, json\n"
-            "g = grimp.build_graph('stare_cli', 'benchmarks', 'baselines', 'recipes', include_external_packages=False,"
+            "g = grimp.build_graph('stare_cli', 'stare_kernel', 'benchmarks', 'baselines', 'recipes', include_external_packages=False,"
             " cache_dir=None)\n"
             "out = []\n"
             "for a in sorted(g.modules):\n"

@@ -358,7 +358,7 @@ def test_paper_recipes_default_to_the_official_layout_on_both_backends():
     (["rollout.on_short_batch=train"], "on_short_batch 'train'"),
 ])
 def test_the_official_layout_refuses_what_it_cannot_emulate(override, message):
-    from stare_cli.core.errors import StareError
+    from stare_kernel.errors import StareError
 
     with pytest.raises((StareError, ValueError), match=message):
         load_recipe("short-cot/qwen2.5-math-7b", "stare-o1", override)

@@ -67,7 +67,7 @@ def test_a_tampered_gguf_or_a_missing_package_fails_with_one_line(tmp_path, monk
     import zipfile
 
     from benchmarks.data import models
-    from stare_cli.core.errors import StareError
+    from stare_kernel.errors import StareError
 
     spec = MODELS["smollm2-135m"]
     fake = tmp_path / "wheel"

@@ -149,7 +149,7 @@ def test_a_verl_resume_points_a_missing_or_wrong_tracker_at_the_newest_checkpoin
     the tracker must name that same step (verl/utils/checkpoint/checkpoint_manager.py,
     find_latest_ckpt_path)."""
     from stare_cli.backends.verl_backend import resume_point
-    from stare_cli.core.errors import StareError
+    from stare_kernel.errors import StareError
 
     tracker = tmp_path / "checkpoints" / "latest_checkpointed_iteration.txt"
     (tmp_path / "meta.json").write_text('{"overrides": ["data.train_files=/d/train.parquet"]}')
@@ -207,7 +207,7 @@ def test_overrides_that_change_what_the_run_is_are_refused_by_name(cli, tmp_path
 def test_verl_refuses_an_lr_change_on_resume(tmp_path):
     from stare_cli.core.resolve import load_recipe
     from stare_cli.core.recipes import recipe_to_yaml
-    from stare_cli.core.errors import StareError
+    from stare_kernel.errors import StareError
     from stare_cli.core.resume import plan_resume
 
     run = tmp_path / "run"

@@ -23,7 +23,8 @@ def _run(root: Path, rows: list[dict], evals: dict[int, tuple[dict, list[dict]]]
         d = root / "eval" / f"step-{step:06d}" / "words-two-step"
         (d / "results").mkdir(parents=True)
         res = {"benchmark": "words:two-step", "grader": "math-verify@7", "metrics": metrics,
-               "settings": {"model": f"{root}@step-{step}", "n": metrics["n"], "temperature": 0.6}}
+               "settings": {"model": f"{root}@step-{step}", "n": metrics["n"], "temperature": 0.6},
+               "protocol": {"n": metrics["n"], "temperature": 0.6, "top_p": 1.0, "template": "short", "max_tokens": 64}}
         (d / "results.json").write_text(json.dumps(res))
         (d / "results" / f"{hash(str(root)) & 0xffff:04x}-math-verify.json").write_text(json.dumps(res))
         (d / "samples.jsonl").write_text("".join(json.dumps({**x, "key": str(root)}) + "\n" for x in lines))
@@ -47,7 +48,7 @@ def test_a_rerun_that_repeats_every_record_is_the_same_run(tmp_path):
     ag = compare_runs(a, b)
     assert ag.same and ag.steps == [1, 2] and ag.differences == []
     # values: step 1 loss, entropy; step 2 loss, entropy, grad_norm (NaN equals NaN) = 5
-    assert (ag.values, ag.evaluations, ag.eval_samples, ag.train_samples) == (5, ["step 0 words:two-step n=2"], 2, 1)
+    assert (ag.values, ag.evaluations, ag.eval_samples, ag.train_samples) == (5, ["step 0 words:two-step n=2 math-verify@7"], 2, 1)
     assert agreement_text(ag, a, b).startswith(
         "same: over steps 1-2 (2 of 2 logged by a, 2 by b), 5 metric values, 1 evaluation (2 samples) and "
         "1 training sample are equal to the bit")
@@ -67,7 +68,7 @@ def test_a_rerun_differs_at_the_last_bit_and_the_answer_names_where(tmp_path):
     assert [d.text() for d in ag.differences] == [
         "step 1: loss 0.06716475635766983 vs 0.06716475635766984",
         'samples/step-000002.jsonl line 1: response "Ben has 4 books." vs "Ben has 4 books!"',
-        'step 0 words:two-step n=2 samples line 2: response "5" vs "6"']
+        'step 0 words:two-step n=2 math-verify@7 samples line 2: response "5" vs "6"']
     text = agreement_text(ag, a, b)
     assert text.startswith("differ: 3 differences over steps 1-2") and "metrics differ at 1 step, first step 1" in text
 
@@ -78,7 +79,7 @@ def test_a_partial_rerun_is_compared_over_its_prefix_and_extra_keys_are_named(tm
     a = _run(tmp_path / "a", ROWS, {**EVALS, 2: EVALS[0]}, SAMPLES)
     b = _run(tmp_path / "b", [{**ROWS[0], "stare/gate": 0.0}], EVALS)  # stopped after step 1; a newer key
     ag = compare_runs(a, b)
-    assert ag.same and ag.steps == [1] and ag.evaluations == ["step 0 words:two-step n=2"]
+    assert ag.same and ag.steps == [1] and ag.evaluations == ["step 0 words:two-step n=2 math-verify@7"]
     assert ag.train_samples == 0  # step 2's samples are past the rerun's last step
     text = agreement_text(ag, a, b)
     assert "over step 1 (1 of 2 logged by a, 1 by b)" in text
@@ -112,7 +113,7 @@ def test_a_runs_resolved_recipe_is_read_as_it_is(tmp_path):
     test_run_directory_is_complete, which now reruns it to the bit)."""
     import yaml
 
-    from stare_cli.core.errors import StareError
+    from stare_kernel.errors import StareError
     from stare_cli.core.resolve import load_recipe, run_recipe
 
     cfg = load_recipe("tiny/arith", "stare-o1", ["method.dynamic_sampling=false"])

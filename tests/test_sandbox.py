@@ -323,7 +323,7 @@ def test_exceptions_are_observations():
 
 # ------------------------------------------------------------------------------- fails closed
 def test_without_isolation_nothing_runs_and_training_refuses(cli, tmp_path, monkeypatch):
-    from stare_cli.core.errors import StareError
+    from stare_kernel.errors import StareError
 
     monkeypatch.setitem(sandbox._PROBLEM, None, "unshare: Operation not permitted")
     probe = tmp_path / "ran"
@@ -544,7 +544,7 @@ def test_the_uid_pool_folder_swapped_after_its_check_never_gets_the_lock_file(tm
 
 def test_a_pool_folder_of_another_user_gets_a_hint_that_is_not_turning_the_sandbox_off(monkeypatch):
     from benchmarks.generation import sandbox
-    from stare_cli.core.errors import StareError
+    from stare_kernel.errors import StareError
 
     monkeypatch.setattr(sandbox, "isolation_problem", lambda python: (
         "sandbox could not start: /tmp/stare-sandbox-uids belongs to uid 4321 with mode 0o777, not to us with 0700: "

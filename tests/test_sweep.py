@@ -260,16 +260,22 @@ def test_sweep_usage_errors(cli, tmp_path):
 
 
 def _setting(folder: Path, key: str, n: int, limit: int, avg: float, grader: str = "math-verify") -> None:
+    """A results file as a trainer wrote it before the ledger: FOLDER = <run>/eval/step-N/<bench>."""
     (folder / "results").mkdir(parents=True, exist_ok=True)
-    res = {"benchmark": "toy:arith", "key": key, "grader": f"{grader}@3", "protocol": {"n": n},
-           "settings": {"n": n, "limit": limit}, "metrics": {"n": n, f"avg@{n}": avg, "pass@1": avg}}
+    step = int(folder.parent.name.split("-")[1])
+    res = {"benchmark": "toy:arith", "key": key, "grader": f"{grader}@3",
+           "protocol": {"n": n, "temperature": 1.0, "top_p": 1.0, "template": "raw", "max_tokens": 56},
+           "settings": {"model": f"{folder.parent.parent.parent}@step-{step}", "n": n, "limit": limit},
+           "metrics": {"n": n, "problems": limit, f"avg@{n}": avg, "pass@1": avg}}
     (folder / "results" / f"{key}-{grader}.json").write_text(json.dumps(res))
     (folder / "results.json").write_text(json.dumps(res))
 
 
 def test_eval_summary_reads_every_setting_of_a_folder_once_per_run(tmp_path):
     """An in-training evaluation (n=2) and a final one (n=4) land in one folder as two settings; both
-    count. The same protocol evaluated twice (another limit) counts once per run: n stays the seeds."""
+    count. Every other setting (another limit, another grader) is an evaluation of its own, named by what
+    differs (issue 67: the summary read one per folder and grader, and pooled what differed); the same
+    evaluation twice counts once per run: n stays the seeds."""
     from stare_cli.analysis.sweep import eval_summary
 
     runs = []
@@ -282,12 +288,17 @@ def test_eval_summary_reads_every_setting_of_a_folder_once_per_run(tmp_path):
         _setting(folder, "cccc", 4, 16, b + 1)  # n=4 again with another limit: the newest wins
         _setting(folder, "dddd", 4, 8, 99.0, grader="stare-official")  # another grader's file: not the latest
         (folder / "results.json").write_text((folder / "results" / "cccc-math-verify.json").read_text())
+        _setting(folder, "eeee", 4, 16, b + 2)  # cccc's setting evaluated again: the newer counts, once
         runs.append(run)
     s = eval_summary(runs)
-    assert list(s) == ["toy:arith n=2 step=4", "toy:arith n=4 step=4"]
+    assert list(s) == ["toy:arith n=2 step=4", "toy:arith n=4 step=4 [problems=16, grader=math-verify@3]",
+                       "toy:arith n=4 step=4 [problems=8, grader=math-verify@3]",
+                       "toy:arith n=4 step=4 [problems=8, grader=stare-official@3]"], list(s)
     assert s["toy:arith n=2 step=4"]["avg@2"]["mean"] == 20.0  # (10 + 30) / 2
-    assert s["toy:arith n=4 step=4"]["avg@4"]["n"] == 2  # one per run, not 2 per run
-    assert s["toy:arith n=4 step=4"]["avg@4"]["mean"] == 31.0  # (21 + 41) / 2: the newest of each run
+    assert s["toy:arith n=4 step=4 [problems=8, grader=math-verify@3]"]["avg@4"]["mean"] == 30.0  # (20 + 40) / 2
+    sixteen = s["toy:arith n=4 step=4 [problems=16, grader=math-verify@3]"]["avg@4"]
+    assert sixteen["n"] == 2 and sixteen["mean"] == 32.0  # one per run, the newer: (22 + 42) / 2
+    assert s["toy:arith n=4 step=4 [problems=8, grader=stare-official@3]"]["avg@4"]["mean"] == 99.0
 
 
 def test_pass_at_k_over_training_is_drawn_only_with_two_steps(tmp_path):
@@ -366,9 +377,18 @@ def test_a_command_runs_only_the_cells_it_names(tmp_path, monkeypatch):
     assert "kl-cov-seed1 (interrupted) is not named by this command: not run" in lines[1]
 
 
+def _keyed_runs(runs: dict[int, Path]) -> dict[int, dict[str, dict]]:
+    """seed -> evaluation key -> metrics of each run, as the sweep's report keys them (cell_evaluations)."""
+    from stare_cli.analysis.sweep import _keyed
+    from stare_kernel.reader import find_records
+
+    keyed = _keyed({str(s): find_records([r]).records for s, r in runs.items()})
+    return {s: keyed[str(s)] for s in runs}
+
+
 def test_evaluations_are_paired_by_seed_against_the_first_method(tmp_path):
     """Issue 48: held-out results at each step, each method minus the baseline, paired by seed."""
-    from stare_cli.analysis.sweep import _run_evaluations, paired_differences, report_markdown
+    from stare_cli.analysis.sweep import paired_differences, report_markdown
 
     def run(name: str, step_values: dict[int, float]) -> Path:
         for step, v in step_values.items():
@@ -378,8 +398,7 @@ def test_evaluations_are_paired_by_seed_against_the_first_method(tmp_path):
     base = {1: run("g1", {0: 10.0, 6: 30.0}), 2: run("g2", {0: 12.0, 6: 34.0}), 3: run("g3", {0: 11.0, 6: 38.0})}
     # seed 3 of the method has no step-6 evaluation: step 6 pairs seeds 1 and 2 only
     meth = {1: run("s1", {0: 10.0, 6: 33.0}), 2: run("s2", {0: 12.0, 6: 40.0}), 3: run("s3", {0: 11.0})}
-    d = paired_differences({k: _run_evaluations(v) for k, v in meth.items()},
-                           {k: _run_evaluations(v) for k, v in base.items()})
+    d = paired_differences(_keyed_runs(meth), _keyed_runs(base))
     # step 0: differences 0, 0, 0 -> mean 0, t-interval of zero width
     assert d["toy:arith n=4 step=0"]["avg@4"] == {"mean": 0.0, "ci95": [0.0, 0.0], "kind": "t95", "seeds": [1, 2, 3]}
     # step 6: 33 - 30 = 3 and 40 - 34 = 6 -> mean 4.5, two seeds: their range [3, 6]
@@ -396,7 +415,7 @@ def test_an_interval_over_seeds_holds_only_values_the_mean_can_take(tmp_path):
     """pass@k is a percentage, so its mean over seeds lies in [0, 100] and a difference of two in
     [-100, 100]; a t-interval is cut there (issue 48's report printed pass@32 as 85.2 [64.7, 105.6])."""
     from benchmarks.evaluation.metrics import seed_interval
-    from stare_cli.analysis.sweep import _run_evaluations, eval_summary, paired_differences
+    from stare_cli.analysis.sweep import eval_summary, paired_differences
 
     # 75, 100, 100, 100: mean 93.75; squared deviations 18.75^2 + 3 x 6.25^2 = 351.5625 + 117.1875 = 468.75,
     # /3 -> sd 12.5; half width t_{0.975,3} 3.182 x 12.5 / sqrt(4) = 19.8875 -> [73.8625, 113.6375]
@@ -416,8 +435,7 @@ def test_an_interval_over_seeds_holds_only_values_the_mean_can_take(tmp_path):
     s = eval_summary(list(meth.values()))["toy:arith n=4 step=6"]["pass@1"]
     assert s["mean"] == 93.75 and s["ci95"] == [pytest.approx(73.8625), 100.0]
     # differences 50, 100, 100, 100: mean 87.5, sd 25, half width 3.182 x 25 / 2 = 39.775 -> [47.725, 127.275]
-    d = paired_differences({k: _run_evaluations(v) for k, v in meth.items()},
-                           {k: _run_evaluations(v) for k, v in base.items()})["toy:arith n=4 step=6"]["pass@1"]
+    d = paired_differences(_keyed_runs(meth), _keyed_runs(base))["toy:arith n=4 step=6"]["pass@1"]
     assert d["mean"] == 87.5 and d["ci95"] == [pytest.approx(47.725), 100.0]
 
 
@@ -483,7 +501,7 @@ def test_the_report_covers_the_finished_cells_while_others_run_and_when_the_swee
     so far after each finished cell while others are still to run, and when the sweep is stopped; a report
     that fails is a warning in the log, not the end of the sweep. Its first line says what it holds."""
     from stare_cli.analysis import sweep
-    from stare_cli.core.errors import Interrupted
+    from stare_kernel.errors import Interrupted
 
     monkeypatch.setattr(sweep, "_train_command", lambda *a, **k: [sys.executable, "-c", "print('/runs/x')"])
     out = tmp_path / "sw"
@@ -541,7 +559,7 @@ def test_a_stopped_sweep_names_where_each_cell_takes_up_again(tmp_path, monkeypa
     import threading
 
     from stare_cli.analysis import sweep
-    from stare_cli.core.errors import Interrupted
+    from stare_kernel.errors import Interrupted
 
     script = textwrap.dedent("""
         import pathlib, signal, sys, time

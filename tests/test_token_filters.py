@@ -12,7 +12,7 @@ from torch.testing import assert_close
 from baselines.aggregation import Agg, agg_loss, masked_mean
 from baselines.losses import clip_cov_loss, kl_cov_loss, ppo_clip_token_losses
 from baselines.token_filters import anneal_factor, covariance_kernel_weights, masked_quantile, spurious_mask
-from stare_cli.core.errors import StareError
+from stare_kernel.errors import StareError
 from stare_cli.core.resolve import load_recipe
 from stare_cli.method.layer import BatchInputs, LossInputs, MethodLayer
 

@@ -13,7 +13,7 @@ import torch
 
 from benchmarks.data import toy
 from stare_cli.analysis import strategies
-from stare_cli.core.errors import StareError
+from stare_kernel.errors import StareError
 
 
 @pytest.mark.parametrize("task", sorted(toy.SHIPPED))
@@ -101,7 +101,9 @@ def _sweep_with_strategies(root: Path, shares: dict[tuple[str, int], tuple[int, 
         folder = run / "eval" / "step-000200" / "toy-explore-hard"
         (folder / "results").mkdir(parents=True)
         key = f"k{seed:04d}"
-        res = json.dumps({"key": key, "grader": "math-verify@4", "protocol": {"n": 4}})
+        res = json.dumps({"benchmark": "toy:explore-hard", "key": key, "grader": "math-verify@4",
+                          "protocol": {"n": 4, "temperature": 1.0, "top_p": 1.0, "template": "raw", "max_tokens": 56},
+                          "settings": {"model": f"{run}@step-200", "seed": seed}, "metrics": {"n": 4, "problems": 1}})
         (folder / "results" / f"{key}-math-verify.json").write_text(res)
         (folder / "results.json").write_text(res)  # the latest setting, as `stare eval` writes it
         rows = [{"key": key, "response": "12-4=8, 8+11=19", "correct": True}] * sub + \

@@ -421,7 +421,7 @@ def test_resuming_a_finished_verl_run_says_so_and_launches_nothing(cli, tmp_path
 ])
 def test_an_extra_override_of_a_key_the_recipe_owns_is_refused_naming_both(override, owner):
     """Issue 29, item 5: extra_overrides silently won over the recipe's own translated keys."""
-    from stare_cli.core.errors import StareError
+    from stare_kernel.errors import StareError
 
     cfg = load_recipe("short-cot/qwen2.5-math-7b", "stare-o1", [*PER_GROUP, f'backend.verl.extra_overrides=["{override}"]'])
     with pytest.raises(StareError) as e:

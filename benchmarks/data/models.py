@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Optional
 
 from benchmarks.data.cache import build_once, cache_root
-from stare_cli.core.errors import StareError, did_you_mean, install_hint
-from stare_cli.core.runs import save_pretrained_readable
+from stare_kernel.errors import StareError, did_you_mean, install_hint
+from stare_kernel.io import save_pretrained_readable
 
 PROVENANCE = "stare_model.json"
 

@@ -8,13 +8,13 @@ import functools
 import random
 from pathlib import Path
 
-from stare_cli.core.config import Recipe
 from benchmarks.data.registry import GENERATED_PREFIXES, TRAIN_SETS, read_jsonl_rows
-from stare_cli.core.errors import StareError, did_you_mean
+from stare_kernel.errors import StareError, did_you_mean
 
 
-def load_prompts(cfg: Recipe) -> list[dict]:
-    """Training rows {'problem', 'answer'} from a toy task, a local file or a hub dataset."""
+def load_prompts(cfg) -> list[dict]:
+    """Training rows {'problem', 'answer'} from a toy task, a local file or a hub dataset. `cfg`: a recipe
+    (stare_cli/core/config.py, a layer above this one: only its `data` section is read, by attribute)."""
     src = cfg.data.train
     if src.startswith(GENERATED_PREFIXES):
         if src not in TRAIN_SETS:
@@ -45,7 +45,7 @@ def load_prompts(cfg: Recipe) -> list[dict]:
     return _checked_rows(cfg, src, ds, lambda i: f"{src} row {i + 1}")
 
 
-def _checked_rows(cfg: Recipe, src: str, raw, where) -> list[dict]:
+def _checked_rows(cfg, src: str, raw, where) -> list[dict]:
     """{'problem', 'answer'} of each row (up to data.max_samples); a row without either field, or
     with a null or empty answer (it would be trained on as reward 0 every time), fails naming it."""
     rows = []

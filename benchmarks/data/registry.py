@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from stare_cli.core.errors import StareError, did_you_mean
+from stare_kernel.errors import StareError, did_you_mean
 
 PAPER_ORDER = ("aime24", "aime25", "amc23", "math500", "minerva", "olympiadbench")
 

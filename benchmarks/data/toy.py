@@ -35,7 +35,7 @@ from typing import Optional
 
 from benchmarks.data.cache import build_once, cache_root
 from benchmarks.data.registry import BenchmarkSpec, register, register_train_set
-from stare_cli.core.runs import atomic_write_text, save_pretrained_readable
+from stare_kernel.io import atomic_write_text, save_pretrained_readable
 
 TOY_VERSION = 1
 WORDS = ["Compute", "first", "we", "get", "so", "then", "and", "the", "answer", "is", "thus", "result", "\\boxed{"]
@@ -247,7 +247,7 @@ def task_sft(task: str) -> dict:
 
 def check_task(task: str) -> str:
     if task not in TASKS:
-        from stare_cli.core.errors import StareError, did_you_mean
+        from stare_kernel.errors import StareError, did_you_mean
 
         raise StareError(f"unknown toy task '{task}'{did_you_mean(task, TASKS)}", hint="toy tasks: " + ", ".join(TASKS))
     return task
@@ -342,7 +342,7 @@ def ensure_toy_model(task: str = "arith") -> Path:
         if task not in _VERIFIED:
             got = _sha256(path / "model.safetensors") if (path / "model.safetensors").exists() else "missing"
             if got != SHIPPED[task]:
-                from stare_cli.core.errors import StareError
+                from stare_kernel.errors import StareError
 
                 raise StareError(f"the shipped toy model {path / 'model.safetensors'} is {got[:12]}, not the "
                                  f"released {SHIPPED[task][:12]}", hint="reinstall stare, or `stare toy init --rebuild`")

@@ -18,8 +18,8 @@ import os
 from pathlib import Path
 
 from benchmarks.evaluation.metrics import bootstrap_ci
-from stare_cli.core.errors import StareError
-from stare_cli.core.runs import read_jsonl
+from stare_kernel.errors import StareError
+from stare_kernel.io import read_jsonl
 
 
 def _latest(bench_dir: Path) -> tuple[dict, dict[tuple[int, int], dict]]:

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import itertools
 import json
-from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
 from benchmarks.grading.graders import Grader
-from stare_cli.core.errors import StareError
-from stare_cli.core.runs import atomic_write_text, read_jsonl
+from stare_kernel.errors import StareError
+from stare_kernel.ledger import Record, labels_by_difference
+from stare_kernel.io import atomic_write_text, read_jsonl
 
 DEFAULT_GRADERS = ("math-verify", "math-verify-plain", "stare-official-3way", "mathruler")
 
@@ -31,8 +31,8 @@ def audit(folder: Path, graders: tuple[str, ...] = DEFAULT_GRADERS, workers: Opt
     evaluation is refused by name instead of being audited half-written."""
     import contextlib
 
-    from benchmarks.evaluation.evaluate import _settings_by_key
-    from stare_cli.core.runs import hold_run_lock
+    from stare_kernel.io import hold_run_lock
+    from stare_kernel.reader import find_records
 
     folder = Path(folder)
     benches = [folder] if (folder / "samples.jsonl").exists() else sorted(p.parent for p in folder.glob("*/samples.jsonl"))
@@ -42,42 +42,47 @@ def audit(folder: Path, graders: tuple[str, ...] = DEFAULT_GRADERS, workers: Opt
     disagreements: list[dict] = []
     pools = [Grader(workers=workers, name=g) for g in graders]
     try:
+        work = []
         for bench_dir in benches:
             with contextlib.closing(hold_run_lock(bench_dir, "evaluated or audited")):
                 # a broken line is named, not skipped: the last one too (an evaluation stopped mid-write,
                 # whose resume rewrites the file; auditing the rest would audit a part of a setting)
                 rows_all = read_jsonl(bench_dir / "samples.jsonl", strict=True, torn_last_ok=False)
-                settings = _settings_by_key(bench_dir)
+                records = find_records([bench_dir]).records
             by_key: dict[str, dict[tuple, dict]] = {}
             for r in rows_all:  # one row per generated sample of a setting
                 by_key.setdefault(r["key"], {})[(r["idx"], r["sample"])] = r
             for key, keyed in by_key.items():
-                rows = list(keyed.values())
-                s = settings.get(key)
-                name = f"{bench_dir.name} [{_setting_label(s[0]) if s else 'settings ' + key}]"
-                verdicts = {p.tag: p.grade_many([r["response"] for r in rows], [r["gold"] for r in rows]) for p in pools}
-                tags = list(verdicts)
-                ok = {t: [v.correct and r["finished"] for v, r in zip(verdicts[t], rows)] for t in tags}
-                n = len(rows)
-                agree_all = sum(len({ok[t][i] for t in tags}) == 1 for i in range(n))
-                summary[name] = {
-                    "benchmark": bench_dir.name, "key": key,
-                    "settings": None if s is None else {k: v for k, v in asdict(s[0]).items() if v is not None},
-                    "problems": len({r["idx"] for r in rows}),
-                    "samples": n,
-                    "accuracy": {t: sum(ok[t]) / n for t in tags},
-                    "all_agree": agree_all / n,
-                    "disagree": 1 - agree_all / n,
-                    "pairwise_agreement": {f"{a} vs {b}": sum(x == y for x, y in zip(ok[a], ok[b])) / n
-                                           for a, b in itertools.combinations(tags, 2)},
-                }
-                for i, r in enumerate(rows):
-                    if len({ok[t][i] for t in tags}) > 1:
-                        disagreements.append({
-                            "benchmark": bench_dir.name, "key": key, "idx": r["idx"], "sample": r["sample"],
-                            "gold": r["gold"], "response_end": r["response"][-600:], "finished": r["finished"],
-                            "verdicts": {t: {"correct": ok[t][i], "extracted": verdicts[t][i].extracted,
-                                             "reason": verdicts[t][i].reason} for t in tags}})
+                rec = next((x for x in records if x.samples_key == key), None)
+                work.append((bench_dir, key, keyed, rec))
+        names = setting_names([(bench_dir, key, rec) for bench_dir, key, _, rec in work])
+        for (bench_dir, key, keyed, rec), name in zip(work, names):
+            rows = list(keyed.values())
+            s = rec
+            verdicts = {p.tag: p.grade_many([r["response"] for r in rows], [r["gold"] for r in rows]) for p in pools}
+            tags = list(verdicts)
+            ok = {t: [v.correct and r["finished"] for v, r in zip(verdicts[t], rows)] for t in tags}
+            n = len(rows)
+            agree_all = sum(len({ok[t][i] for t in tags}) == 1 for i in range(n))
+            summary[name] = {
+                "benchmark": bench_dir.name, "key": key,
+                "identity": None if s is None else s.identity, "seed": None if s is None else s.seed_name,
+                "record": None if s is None or s.path is None else str(s.path),
+                "problems": len({r["idx"] for r in rows}),
+                "samples": n,
+                "accuracy": {t: sum(ok[t]) / n for t in tags},
+                "all_agree": agree_all / n,
+                "disagree": 1 - agree_all / n,
+                "pairwise_agreement": {f"{a} vs {b}": sum(x == y for x, y in zip(ok[a], ok[b])) / n
+                                       for a, b in itertools.combinations(tags, 2)},
+            }
+            for i, r in enumerate(rows):
+                if len({ok[t][i] for t in tags}) > 1:
+                    disagreements.append({
+                        "benchmark": bench_dir.name, "key": key, "idx": r["idx"], "sample": r["sample"],
+                        "gold": r["gold"], "response_end": r["response"][-600:], "finished": r["finished"],
+                        "verdicts": {t: {"correct": ok[t][i], "extracted": verdicts[t][i].extracted,
+                                         "reason": verdicts[t][i].reason} for t in tags}})
     finally:
         for p in pools:
             p.close()
@@ -89,9 +94,16 @@ def audit(folder: Path, graders: tuple[str, ...] = DEFAULT_GRADERS, workers: Opt
             "out": str(out)}
 
 
-def _setting_label(s) -> str:
-    """A short readable name of one evaluation setting: 'n=4 T=0.6 limit=64 seed=1 hf'."""
-    parts = [f"n={s.n}", f"T={s.temperature}", f"top_p={s.top_p}", f"max={s.max_tokens}"]
-    parts += [f"limit={s.limit}"] if s.limit is not None else []
-    parts += [f"seed={s.seed}", s.engine, Path(str(s.model)).name or str(s.model)]
-    return " ".join(parts)
+def setting_names(work: list[tuple[Path, str, Optional[Record]]]) -> list[str]:
+    """One name per audited setting (benchmark folder, samples key, its record or None): the folder, then the
+    identity fields that tell it from the other settings (the ledger's labels_by_difference; the grader aside,
+    since every grader is audited) and its seed. Never two settings under one name: where everything recorded
+    agrees, the samples key tells them apart."""
+    idents = [{**(rec.identity if rec else {"samples": key}), "grader": None} for _, key, rec in work]
+    tags = labels_by_difference(idents, skip=("grader", "benchmark_version"))
+    names: list[str] = []
+    for (bench_dir, key, rec), tag in zip(work, tags):
+        name = f"{Path(bench_dir).name} [{tag or 'the setting'}" + (
+            f", seed {rec.seed_name}" if rec else f", samples {key}") + "]"
+        names.append(name if name not in names else f"{name[:-1]}, samples {key}]")
+    return names

@@ -1,12 +1,16 @@
 """`stare eval`: generate, grade, score; resumable, re-gradable and traceable.
 
 Per (model, benchmark) the output folder holds:
-- `samples.jsonl`: one row per sample. Its `key` hashes every generation setting (model, benchmark,
-  template, n, temperature, top_p, max tokens, seed, engine, limit, tools), so runs with other settings
-  add their own rows beside the old ones; no run deletes rows. Each row keeps the verdict of every
-  grader that graded it (`verdicts`, by `name@version`) and, at top level, the latest one.
+- `samples.jsonl`: one row per sample. Its `key` hashes every generation setting (model and the digest
+  of its weights, benchmark, data, template and the rendered prompt format, n, temperature, top_p, max
+  tokens, seed, engine, limit, tools, dtype), so runs with other settings add their own rows beside the
+  old ones, and weights changed in place are never taken for the old ones; no run deletes rows. Each row
+  keeps the verdict of every grader that graded it (`verdicts`, by `name@version`, with the gold it was
+  graded against) and, at top level, the latest one.
+- `records/<id>.json`: the ledger's record of each evaluation (stare_kernel/ledger.py): metrics with the
+  full identity, written once, never overwritten; what `stare compare`, sweeps and audits read.
 - `results/<key>-<grader>.json`: the metrics of one setting under one grader; `results.json` is the
-  latest of them (what `stare compare` reads).
+  latest of them (a convenience copy; readers take records).
 Problems are processed in fixed chunks whose sampling seed depends only on the chunk, so an
 interrupted evaluation resumes by redoing only chunks not fully on disk and ends with the same
 results. Samples graded by another grader are graded again, never generated again
@@ -31,8 +35,9 @@ from benchmarks.grading.graders import Grader, judge
 from benchmarks.evaluation.metrics import REFLECTION_WORDS, benchmark_metrics, reflection_rate
 from benchmarks.data.registry import BENCHMARKS, dir_name, load_benchmark
 from benchmarks.generation.templates import build_prompt
-from stare_cli.core.errors import StareError
-from stare_cli.core.runs import (MANIFEST, atomic_write_text, checkpoint_problem, environment_summary, hold_run_lock,
+from stare_kernel.errors import StareError
+from stare_kernel.ledger import LEDGER, TRAINED, UNKNOWN, Record, digest, now_iso, write_record
+from stare_kernel.io import (MANIFEST, atomic_write_text, checkpoint_problem, environment_summary, hold_run_lock,
                                  read_jsonl)
 
 CHUNK = 8  # problems per generation call; fixed so resumed runs sample identically
@@ -54,12 +59,17 @@ class EvalSettings:
     tools: Optional[str] = None  # the tool the model may call ("python"), or None
     data: Optional[str] = None  # SHA-256 of the problems and golds evaluated (`data_digest`)
     dtype: Optional[str] = None  # the engine's dtype when chosen (--dtype); None: the engine's default
+    weights: Optional[str] = None  # the weights' digest ('sha256:...', `weights_digest`); 'trained' for a run's live model
+    prompt: Optional[str] = None  # digest of the rendered prompt format (`prompt_format`)
+    chat: Optional[bool] = None  # the tokenizer's chat template wrapped the prompt
 
     def key(self) -> str:
         """A hash of every generation setting and of the data: samples of different settings or data
-        never mix (another file, or a corrected gold, gets samples of its own). (`tools`, `data` and
-        `dtype` enter only when set.)"""
-        fields = {k: v for k, v in asdict(self).items() if not (k in ("tools", "data", "dtype") and v is None)}
+        never mix (another file, or a corrected gold, gets samples of its own; weights changed in place get
+        samples of their own). (`tools`, `data`, `dtype`, `weights`, `prompt` and `chat` enter only when
+        set, so that keys written before them still name their samples.)"""
+        optional = ("tools", "data", "dtype", "weights", "prompt", "chat")
+        fields = {k: v for k, v in asdict(self).items() if not (k in optional and v is None)}
         blob = json.dumps(fields, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -142,18 +152,26 @@ def data_digest(rows: list[dict]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def _verdict_fields(v, finished: bool) -> dict:
+def _verdict_fields(v, finished: bool, gold) -> dict:
     return {"extracted": v.extracted, "method": v.method, "correct": bool(v.correct and finished),
-            "reason": v.reason if finished else "truncated", "grader": v.grader}
+            "reason": v.reason if finished else "truncated", "grader": v.grader, "gold": str(gold)}
+
+
+def gold_changed(r: dict, tag: str) -> bool:
+    """Whether row `r`'s gold differs from the one grader `tag` graded it against (a verdict written
+    before verdicts kept their gold counts as changed: it is graded again once)."""
+    v = r.get("verdicts", {}).get(tag)
+    return v is not None and v.get("gold") != str(r["gold"])
 
 
 def _grade_rows(rows: list[dict], grader: Grader) -> list[dict]:
     """Give every row this grader's verdict (kept beside other graders' in `verdicts`, and at top
-    level); rows it already graded are not graded again."""
-    stale = [r for r in rows if grader.tag not in r.get("verdicts", {})]
+    level); rows it already graded against the same gold are not graded again (a gold corrected in
+    samples.jsonl is)."""
+    stale = [r for r in rows if grader.tag not in r.get("verdicts", {}) or gold_changed(r, grader.tag)]
     if stale:
         for r, v in zip(stale, grader.grade_many([r["response"] for r in stale], [r["gold"] for r in stale])):
-            r.setdefault("verdicts", {})[grader.tag] = _verdict_fields(v, r["finished"])
+            r.setdefault("verdicts", {})[grader.tag] = _verdict_fields(v, r["finished"], r["gold"])
     for r in rows:
         r.update(r["verdicts"][grader.tag])
     return rows
@@ -192,10 +210,13 @@ def results_file(key: str, grader_name: str) -> str:
 
 
 def write_results(out_dir: Path, s: EvalSettings, rows: list[dict], grader: Grader, words, data: dict,
-                  elapsed: float = 0.0, extra: Optional[dict] = None) -> dict:
+                  elapsed: float = 0.0, extra: Optional[dict] = None, run: Optional[dict] = None,
+                  supersedes: tuple[str, ...] = ()) -> dict:
     """Metrics of one setting's rows under one grader (from each row's verdict of this grader, never
-    from the top-level fields, which hold the latest grader's): results/<key>-<grader>.json and
-    results.json. `data`: where the problems came from (`data_record`)."""
+    from the top-level fields, which hold the latest grader's): the ledger's record (`evaluation_record`),
+    results/<key>-<grader>.json and results.json. `data`: where the problems came from (`data_record`);
+    `run`: a training run's part of the identity (`run_identity`); `supersedes`: ids of records this one
+    replaces (a regrade with corrected golds)."""
     by_problem: dict[int, list[dict]] = {}
     for r in rows:
         by_problem.setdefault(r["idx"], []).append(r)
@@ -224,40 +245,149 @@ def write_results(out_dir: Path, s: EvalSettings, rows: list[dict], grader: Grad
         "grader": grader.tag,
         "protocol": {"n": s.n, "temperature": s.temperature, "top_p": s.top_p, "template": s.template,
                      "max_tokens": s.max_tokens, "paper_protocol": s.n == spec.n and s.temperature == spec.temperature
-                     and s.top_p == spec.top_p and s.limit is None and not data.get("partial")},
+                     and s.top_p == spec.top_p and s.max_tokens == spec.max_tokens and s.template == spec.template
+                     and s.tools is None and s.limit is None and not data.get("partial")},
         "data": data, "metrics": benchmark_metrics(per_problem, same=_same_answer(grader, [p["answers"] for p in per_problem])),
         "elapsed_s": elapsed,
-        "environment": environment_summary(), **(extra or {}),
+        "environment": environment_summary(), **(extra or {}), **({"run": run} if run else {}),
     }
+    rec = evaluation_record(s, results, run, supersedes)
+    write_record(out_dir, rec)
+    results["record"] = rec.id
     text = json.dumps(results, indent=2)
     atomic_write_text(out_dir / results_file(s.key(), grader.spec.name), text)
     atomic_write_text(out_dir / "results.json", text)
     return results
 
 
+def engine_tag(name: str) -> str:
+    """'name@version' of the package that generated: transformers for hf (and the trainer's rollout engines),
+    vllm, lm-eval for the bridge; an OpenAI-compatible server does not say its version."""
+    from importlib import metadata
+
+    pkg = {"vllm": "vllm", "openai": None}.get(name, "lm-eval" if name.startswith("lm-eval") else "transformers")
+    if pkg is None:
+        return f"{name}@{UNKNOWN}"
+    try:
+        return f"{name}@{pkg} {metadata.version(pkg)}"
+    except metadata.PackageNotFoundError:
+        return f"{name}@{UNKNOWN}"
+
+
+def evaluation_record(s: EvalSettings, results: dict, run: Optional[dict] = None,
+                      supersedes: tuple[str, ...] = ()) -> Record:
+    """The ledger's record of one results dict (`write_results`): identity from the settings, the data
+    record, the grader and engine, and for a training run's model its method, recipe, step and lr."""
+    data = results["data"] if isinstance(results.get("data"), dict) else {}
+    run = run or {}
+    ident = {
+        "ledger": LEDGER, "benchmark": s.bench, "benchmark_version": results.get("benchmark_version"),
+        "weights": TRAINED if run else (s.weights or UNKNOWN), "method": run.get("method"),
+        "method_params": run.get("method_params"), "recipe": run.get("recipe"), "step": run.get("step"),
+        "lr": run.get("lr"),
+        "data": data.get("sha256") or s.data or UNKNOWN, "problems": results["metrics"].get("problems"),
+        "partial": bool(data.get("partial", s.limit is not None)),
+        "n": s.n, "temperature": s.temperature, "top_p": s.top_p, "max_tokens": s.max_tokens,
+        "template": s.template, "chat": s.chat if s.chat is not None else UNKNOWN,
+        "prompt": s.prompt or UNKNOWN, "tools": s.tools, "grader": results["grader"],
+        "engine": engine_tag(s.engine), "dtype": s.dtype,
+    }
+    run_block = {"dir": run["dir"], "name": Path(run["dir"]).name} if run.get("dir") else None
+    return Record(identity=ident, metrics=results["metrics"], seed=s.seed, train_seed=run.get("train_seed"),
+                  weights_digest=(s.weights if s.weights != TRAINED else None) if run else None,
+                  samples_key=s.key(), written=now_iso(), evaluation=results.get("evaluation"),
+                  supersedes=tuple(supersedes), run=run_block, model_path=s.model,
+                  extra={"protocol": results["protocol"], "data": results["data"], "elapsed_s": results["elapsed_s"],
+                         "environment": results["environment"],
+                         **({"harness": results["harness"]} if "harness" in results else {})})
+
+
+def prompt_format(template: str, tokenizer, use_chat_template: bool, tools=None) -> tuple[str, bool]:
+    """(digest of the prompt a problem is rendered into, whether a chat template wrapped it): one value
+    for the template, the tokenizer's chat template, the system prompt and the tool text together."""
+    from benchmarks.generation.templates import has_chat_template
+
+    marker = "\x00PROBLEM\x00"
+    text = build_prompt(marker, template, tokenizer, use_chat_template, tools)
+    chat = template not in ("raw", "plain") and tokenizer is not None and has_chat_template(tokenizer, use_chat_template)
+    return "sha256:" + digest(text, 64), chat
+
+
+_DIGESTS: dict[tuple, str] = {}
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth", ".ckpt", ".msgpack", ".h5")
+
+
+def weights_digest(path: str) -> str:
+    """'sha256:<digest>' of a model folder's weight files (their names and SHA-256s; a training checkpoint's
+    from its manifest, verified when it was loaded), 'hub:<id>' for a model that is not a local folder.
+    Hashing reads the weights once per process and file state (size, mtime): ~1 s per GB here."""
+    from stare_kernel.io import file_sha256
+
+    p = Path(path)
+    if not p.is_dir():
+        return f"hub:{path}"
+    files = sorted(f for f in p.iterdir() if f.is_file() and f.name.endswith(WEIGHT_SUFFIXES) and f.name != "trainer.pt")
+    state = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+    if (p.resolve(), state) in _DIGESTS:
+        return _DIGESTS[(p.resolve(), state)]
+    manifest = {}
+    try:
+        manifest = json.loads((p / MANIFEST).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    sums = {f.name: (manifest.get(f.name) or {}).get("sha256") if isinstance(manifest.get(f.name), dict) else None
+            for f in files}
+    sums = {name: sha or file_sha256(p / name) for name, sha in sums.items()}
+    out = "sha256:" + digest(sums, 64)
+    _DIGESTS[(p.resolve(), state)] = out
+    return out
+
+
+def run_identity(run_dir: Path, ckpt: Path) -> dict:
+    """A training run's part of an evaluation's identity for its checkpoint `ckpt`: method, recipe digest,
+    training seed, step (the checkpoint's state.json) and the learning rate logged at that step."""
+    import yaml
+
+    from stare_kernel.ledger import run_fields
+    from stare_kernel.reader import step_lr
+
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    try:
+        step = int(json.loads((ckpt / "state.json").read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        step = int(ckpt.name.split("-")[1]) if ckpt.name.startswith("step-") and ckpt.name[5:].isdigit() else None
+    return {"dir": str(run_dir), **run_fields(cfg), "train_seed": cfg["optim"]["seed"], "step": step,
+            "lr": step_lr(run_dir, step) if step is not None else UNKNOWN}
+
+
 def evaluate_benchmark(engine, tokenizer, s: EvalSettings, out_dir: Path, grader: Grader,
                        data_file: Optional[str] = None, use_chat_template: bool = True, progress=None,
                        reflection_words: Optional[list[str]] = None, tools=None, rows: Optional[list[dict]] = None,
-                       evaluation: Optional[str] = None) -> dict:
-    """Evaluate one benchmark into out_dir; returns the results dict (also written as results.json).
-    `rows`: the benchmark's problems when already loaded (check_inputs). `evaluation`: the id of the
-    `stare eval` command this is part of (`new_evaluation_id`), recorded in the results."""
+                       evaluation: Optional[str] = None, run: Optional[dict] = None) -> dict:
+    """Evaluate one benchmark into out_dir; returns the results dict (also written as results.json, and as
+    the ledger's record). `rows`: the benchmark's problems when already loaded (check_inputs).
+    `evaluation`: the id of the `stare eval` command this is part of (`new_evaluation_id`), recorded in
+    the results. `run`: the training run's part of the identity (`run_identity`; the trainer's own)."""
     words = reflection_words or REFLECTION_WORDS
     if rows is None:
         rows = load_benchmark(s.bench, limit=s.limit, data_file=data_file)
     if s.data is None:
         s = replace(s, data=data_digest(rows))
+    if s.prompt is None:
+        fmt, chat = prompt_format(s.template, tokenizer, use_chat_template, tools)
+        s = replace(s, prompt=fmt, chat=chat)
     data = data_record(s.bench, rows, s.data, data_file)
     lock = hold_run_lock(out_dir, "evaluated")  # a second writer of this folder is refused by name
     try:
         return _evaluate_locked(engine, tokenizer, s, out_dir, grader, rows, data, words, use_chat_template,
-                                progress, tools, evaluation)
+                                progress, tools, evaluation, run)
     finally:
         lock.close()
 
 
 def _evaluate_locked(engine, tokenizer, s: EvalSettings, out_dir: Path, grader: Grader, rows: list[dict], data: dict,
-                     words, use_chat_template: bool, progress, tools, evaluation: Optional[str] = None) -> dict:
+                     words, use_chat_template: bool, progress, tools, evaluation: Optional[str] = None,
+                     run: Optional[dict] = None) -> dict:
     samples_path = out_dir / "samples.jsonl"
     key = s.key()
     done: dict[tuple[int, int], dict] = {}
@@ -299,7 +429,7 @@ def _evaluate_locked(engine, tokenizer, s: EvalSettings, out_dir: Path, grader: 
     if [(r.get("grader"), r.get("correct")) for r in mine] != before:
         atomic_write_text(samples_path, "".join(json.dumps(r) + "\n" for r in all_rows))
     return write_results(out_dir, s, mine, grader, words, data, time.time() - t0,
-                         extra={"evaluation": evaluation} if evaluation else None)
+                         extra={"evaluation": evaluation} if evaluation else None, run=run)
 
 
 def _chunks_of_other_limits(out_dir: Path, s: EvalSettings, chunks: list[list[dict]], complete: set[int],
@@ -315,7 +445,7 @@ def _chunks_of_other_limits(out_dir: Path, s: EvalSettings, chunks: list[list[di
     except StareError:
         return {}
     mine = {**asdict(s), "limit": None, "data": None}
-    keys = [k for k, (o, _, _) in settings.items() if {**asdict(o), "limit": None, "data": None} == mine
+    keys = [k for k, (o, *_) in settings.items() if {**asdict(o), "limit": None, "data": None} == mine
             and k != s.key()]
     if not keys:
         return {}
@@ -388,10 +518,26 @@ def _regrade_folder(bench_dir: Path, grader: Grader) -> dict[str, dict]:
         if key not in settings:
             raise StareError(f"{bench_dir}: no results file records the settings of samples {key}",
                              hint="re-run `stare eval` with the same settings once")
-        mine = _grade_rows([r for r in rows if r["key"] == key], grader)
-        s, data, evaluation = settings[key]
+        s, data, evaluation, run = settings[key]
+        mine = [r for r in rows if r["key"] == key]
+        corrected = [r for r in mine if gold_changed(r, grader.tag)]
+        supersedes: tuple[str, ...] = ()
+        if corrected:  # golds corrected in samples.jsonl: other data; the record of the old golds is superseded
+            old = _record_of(bench_dir, key, grader.tag)
+            supersedes = (old,) if old else ()
+            golds = sorted((r["idx"], str(r["gold"])) for r in mine if r["sample"] == 0)
+            new = hashlib.sha256(json.dumps([data.get("sha256") or s.data, golds]).encode()).hexdigest()
+            data = {**data, "sha256": new, "golds_corrected": len({r["idx"] for r in corrected}),
+                    "corrected_from": data.get("sha256") or s.data}
+            s = replace(s, data=new)
+            for r in mine:
+                r["key"] = s.key()  # the corrected rows are samples of the corrected data
+            print(f"{bench_dir}: {len({r['idx'] for r in corrected})} problems' golds differ from those they were "
+                  f"graded against: graded again, recorded as data {new[:12]}", file=sys.stderr)
+        mine = _grade_rows(mine, grader)
         out[s.bench] = write_results(bench_dir, s, mine, grader, REFLECTION_WORDS, data,
-                                     extra={"evaluation": evaluation} if evaluation else None)
+                                     extra={"evaluation": evaluation} if evaluation else None, run=run,
+                                     supersedes=supersedes)
         regraded.append((s, evaluation, out[s.bench]))
     # An evaluation of several seeds keeps its per-seed record under the new grader (what compare reads):
     # the seeds of one evaluation id whose settings differ in the seed alone, in the order they were run.
@@ -433,9 +579,18 @@ def latest_grader_results(bench_dir: Path) -> list[dict]:
         return []
 
 
-def _settings_by_key(bench_dir: Path) -> dict[str, tuple[EvalSettings, dict, Optional[str]]]:
-    """Each recorded setting of a benchmark folder, with the data record it was evaluated on and the
-    evaluation it was part of (kept by a regrade)."""
+def _record_of(bench_dir: Path, key: str, grader_tag: str) -> Optional[str]:
+    """The id of the newest record of samples `key` under grader `grader_tag` in a benchmark folder."""
+    from stare_kernel.reader import find_records
+
+    mine = [r for r in find_records([bench_dir]).records if r.samples_key == key and r.identity["grader"] == grader_tag
+            and not r.legacy]
+    return max(mine, key=lambda r: r.written).id if mine else None
+
+
+def _settings_by_key(bench_dir: Path) -> dict[str, tuple[EvalSettings, dict, Optional[str], Optional[dict]]]:
+    """Each recorded setting of a benchmark folder, with the data record it was evaluated on, the
+    evaluation it was part of and the training run's part of its identity (kept by a regrade)."""
     found = {}
     for p in [bench_dir / "results.json", *sorted((bench_dir / "results").glob("*.json"))]:
         if p.exists():
@@ -446,7 +601,7 @@ def _settings_by_key(bench_dir: Path) -> dict[str, tuple[EvalSettings, dict, Opt
                 raise StareError(f"{p}: not a results file stare wrote ({type(e).__name__}: {str(e)[:80]})",
                                  hint="remove it, or re-run `stare eval` with the same settings") from None
             data = res.get("data") if isinstance(res.get("data"), dict) else {"source": str(res.get("data"))}
-            found[res["key"]] = (s, data, res.get("evaluation"))
+            found[res["key"]] = (s, data, res.get("evaluation"), res.get("run"))
     return found
 
 
@@ -506,6 +661,25 @@ def resolve_model(model: str) -> tuple[str, Optional[Path]]:
         run = real.parent.parent if real.parent.name == "checkpoints" else None
         return str(real), run
     return model, None
+
+
+def eval_out_dir(model: str, path: str, run_dir: Optional[Path], out: Optional[Path]) -> Path:
+    """Where `stare eval` writes: --out, or by default evals/<model> (a short or toy name keeps its own name,
+    evals/smollm2-135m; a run's checkpoint goes to evals/<run>/<checkpoint>, never into the run, whose
+    folders its trainer alone writes). An --out inside a run directory is refused by name."""
+    from benchmarks.data.models import MODELS
+    from stare_kernel.ledger import enclosing_run
+
+    if out is None:
+        named = model.startswith("toy:") or model in MODELS
+        out = (Path("evals") / run_dir.name / Path(path).name) if run_dir else Path("evals") / (
+            model.replace(":", "-") if named else path.strip("/").replace("/", "__"))
+    inside = enclosing_run(out)
+    if inside is not None:
+        raise StareError(f"--out {out} is inside the run directory {inside}: a run's folders are written by its "
+                         "trainer alone (its evaluations are the run's own rows)",
+                         hint=f"leave --out out (evals/{inside.name}/...), or choose a folder outside the run")
+    return out
 
 
 def check_model_path(model: str, path: str) -> None:
@@ -570,12 +744,7 @@ def run_eval(model: str, benches: list[str], engine_name: str = "auto", n: Optio
     elif unsafe_no_sandbox:
         raise StareError("--unsafe-no-sandbox applies to --tools python", hint="drop it, or add --tools python")
     path, run_dir = resolve_model(model)
-    if out is None:  # a short or toy name keeps its own name (evals/smollm2-135m), not its cache path's
-        from benchmarks.data.models import MODELS
-
-        named = model.startswith("toy:") or model in MODELS
-        out = (run_dir / "eval" / Path(path).name) if run_dir else Path("evals") / (
-            model.replace(":", "-") if named else path.strip("/").replace("/", "__"))
+    out = eval_out_dir(model, path, run_dir, out)
     # before the model loads: the data (file and line of a bad row), then the model's name, then --out
     # (the last, so that no failed check leaves an empty folder behind)
     data = check_inputs(benches, limit, data_file, out, before_out=lambda: check_model_path(model, path))
@@ -586,8 +755,10 @@ def run_eval(model: str, benches: list[str], engine_name: str = "auto", n: Optio
                              hint="evaluate an earlier checkpoint (checkpoints/step-N)")
     if engine_name == "auto":
         engine_name = _auto_engine()
-    print(f"stare eval: loading {path} ({engine_name} engine)", file=sys.stderr, flush=True)
+    print(f"stare eval: loading {path} ({engine_name} engine); results go to {out}", file=sys.stderr, flush=True)
     engine, tok = _make_engine(engine_name, path, base_url, device, batch_size, dtype, vllm_kwargs or {})
+    weights = weights_digest(path)  # after loading: a damaged checkpoint was refused above
+    run = run_identity(run_dir, Path(path)) if run_dir else None
     results = {}
     grading = Grader(workers=workers, name=grader)
     console = Console(stderr=True)
@@ -603,10 +774,10 @@ def run_eval(model: str, benches: list[str], engine_name: str = "auto", n: Optio
                                      temperature=spec.temperature if temperature is None else temperature,
                                      top_p=spec.top_p if top_p is None else top_p, max_tokens=max_tokens or spec.max_tokens,
                                      seed=sd, engine=engine_name, limit=limit, tools=tools,
-                                     dtype=None if dtype == "auto" else dtype)
+                                     dtype=None if dtype == "auto" else dtype, weights=weights)
                     per_seed.append(evaluate_benchmark(engine, tok, s, out / dir_name(b), grading, data_file=data_file,
                                                        progress=prog, tools=tool_spec, rows=data[b],
-                                                       evaluation=evaluation))
+                                                       evaluation=evaluation, run=run))
                 results[b] = per_seed[0] if len(seeds) == 1 else record_seed_spread(out / dir_name(b), per_seed, grading)
                 if not console.is_terminal:
                     m = results[b]["metrics"]

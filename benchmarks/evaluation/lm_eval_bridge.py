@@ -38,8 +38,8 @@ from benchmarks.data.registry import BENCHMARKS, dir_name
 from benchmarks.evaluation.evaluate import (EvalSettings, _grade_rows, check_inputs, data_digest, data_record,
                                             new_evaluation_id, write_results)
 from benchmarks.grading.graders import Grader
-from stare_cli.core.errors import StareError, install_hint
-from stare_cli.core.runs import atomic_write_text, hold_run_lock, read_jsonl
+from stare_kernel.errors import StareError, install_hint
+from stare_kernel.io import atomic_write_text, hold_run_lock, read_jsonl
 
 TEMPLATES = {"paper": True, "short": True, "plain": False, "raw": False}  # template -> through the chat template
 ENGINE = "lm-eval-hf"  # what the samples' key records as the engine

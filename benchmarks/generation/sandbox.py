@@ -59,7 +59,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from stare_cli.core.errors import StareError
+from stare_kernel.errors import StareError
 
 INIT = Path(__file__).with_name("_sandbox_init.py")
 # The launcher's argv: argv[0] a name, not the interpreter's path; its source arrives on stdin first

@@ -545,7 +545,7 @@ GRADERS: dict[str, GraderSpec] = {g.name: g for g in [
 def check_grader(name: str) -> GraderSpec:
     """The grader called `name`, or a StareError listing the valid names."""
     if name not in GRADERS:
-        from stare_cli.core.errors import StareError, did_you_mean
+        from stare_kernel.errors import StareError, did_you_mean
 
         raise StareError(f"unknown grader '{name}'{did_you_mean(name, GRADERS)}; valid: {', '.join(GRADERS)}")
     return GRADERS[name]

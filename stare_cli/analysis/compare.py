@@ -17,14 +17,17 @@ import statistics
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
+from collections import namedtuple
 from typing import NamedTuple, Optional
 
 import yaml
 
 from benchmarks.data.registry import BENCHMARKS, PAPER_ORDER
-from stare_cli.core.config import dotted_items
-from stare_cli.core.errors import StareError, table_console
-from stare_cli.core.runs import read_jsonl, with_eval_points
+from stare_kernel.errors import StareError, table_console
+from stare_kernel.io import read_jsonl
+from stare_kernel.ledger import IDENTITY_FIELDS, ROW_FIELDS, UNKNOWN, Record, is_run_dir, differences, pool_key, labels_by_difference, recipe_variant, run_acted, short
+from stare_kernel.reader import find_records
+from stare_cli.core.runs import with_eval_points
 from stare_cli.analysis.plots import save_figure
 
 PAPER_MODELS = {
@@ -39,253 +42,154 @@ PAPER_MODELS = {
 
 @dataclass
 class Result:
-    """One evaluated model (one seed): metric per benchmark, with the protocol it was made under."""
+    """One evaluated model (one seed) as a row takes it: metrics per benchmark, each with the identity of the
+    record it comes from (the ledger's, stare_kernel/ledger.py)."""
 
-    label: str  # the method (runs) or the model name (eval directories)
-    seed: Optional[int]
+    label: str  # the method (a training run's evaluations) or the model's name
+    seed: Optional[str]  # the seed's name (ledger.seed_name): '1', or '1/eval 2' for a run's seed 1 sampled with 2
     source: str
     metrics: dict[str, dict] = field(default_factory=dict)  # bench -> metrics
-    protocol: dict[str, Identity] = field(default_factory=dict)  # bench -> what was measured (Identity)
+    protocol: dict[str, "Identity"] = field(default_factory=dict)  # bench -> the record's identity
     metrics_rows: list[dict] = field(default_factory=list)
     config: dict[str, object] = field(default_factory=dict)  # what makes this run differ from another of its label
+    acted: Optional[str] = None  # why the run's method never acted up to this step (ledger.run_acted), or None
 
 
-# Recipe keys that tell runs of one method apart (the seed makes seeds of one run, not a new run).
-_NOT_A_VARIANT = ("name", "description", "optim.seed", "optim.total_steps", "logging.", "checkpoint.", "eval.",
-                  "backend.embedded.", "backend.verl.nnodes", "backend.verl.n_gpus_per_node", "backend.verl.shared_dir",
-                  "backend.verl.device", "backend.verl.extra_overrides", "paper")
+# The identity of a row's cell: the ledger's fields, then whether it is the benchmark's paper protocol
+# (derived from them: `paper_protocol`).
+Identity = namedtuple("Identity", (*IDENTITY_FIELDS, "paper"))
+_IDENTITY_FIELDS = IDENTITY_FIELDS
 
 
-def _variant(cfg: dict) -> dict[str, object]:
-    return {k: v for k, v in dotted_items(cfg).items() if not k.startswith(_NOT_A_VARIANT) and k not in _NOT_A_VARIANT}
+def paper_protocol(ident: dict) -> Optional[bool]:
+    """Whether an evaluation follows its benchmark's paper protocol in every protocol field: samples,
+    temperature, top_p, max tokens, template, all problems, no tools; None for a benchmark the paper has no
+    protocol for, False where a field is unknown."""
+    spec = BENCHMARKS.get(ident["benchmark"])
+    if spec is None:
+        return None
+    return (ident["n"] == spec.n and ident["temperature"] == spec.temperature and ident["top_p"] == spec.top_p
+            and ident["max_tokens"] == spec.max_tokens and ident["template"] == spec.template
+            and ident["partial"] is False and ident["tools"] is None)
 
 
-class Identity(NamedTuple):
-    """What one benchmark's result measured, apart from the sampling seed: results pool as seeds only when
-    every field is equal; rows that differ are labelled by the fields that differ."""
-
-    N: int
-    T: float
-    top_p: float
-    template: str
-    max: int
-    limited: bool
-    problems: Optional[int] = None  # how many problems were graded
-    data: Optional[str] = None  # SHA-256 (first 12 hex digits) of the problems and golds
-    grader: Optional[str] = None  # name@version
-    engine: Optional[str] = None  # hf, vllm, lm-eval-hf, ...
-    dtype: Optional[str] = None
-    tools: Optional[str] = None
-    step: Optional[int] = None  # a training run's evaluation: the step it was made at
-    paper: Optional[bool] = None  # the benchmark's paper protocol (n, temperature, top_p, all problems)
+def make_identity(paper: Optional[bool] = None, **fields) -> Identity:
+    """An Identity from keyword fields; those not given are None (a record that leaves them open)."""
+    return Identity(**{f: fields.pop(f, None) for f in IDENTITY_FIELDS}, paper=paper, **fields)
 
 
-_IDENTITY_FIELDS = Identity._fields
+def measured(p: Identity) -> Identity:
+    """An identity less the fields that name a row (ledger.ROW_FIELDS: the method or model compared): what
+    two rows must share to be set beside each other with a best and a delta."""
+    return p._replace(**{f: None for f in ROW_FIELDS})
 
 
-def _identity(res: dict, step: Optional[int] = None) -> Identity:
-    """The identity of one results.json (fields missing from older files stay None)."""
-    p, s = res["protocol"], res.get("settings", {})
-    spec = BENCHMARKS.get(res["benchmark"])
-    data = res.get("data")
-    if isinstance(data, dict) and "partial" in data:  # recorded: a --limit, a smaller local file, a subset
-        limited = bool(data["partial"])
-    else:  # results written before the data record: from the settings
-        limited = s.get("limit") is not None and (spec is None or res["metrics"].get("problems", 0) < spec.size)
-    sha = (data.get("sha256") if isinstance(data, dict) else None) or s.get("data")
-    return Identity(p["n"], p["temperature"], p["top_p"], p["template"], p["max_tokens"], limited,
-                    problems=res.get("metrics", {}).get("problems"), data=sha[:12] if sha else None,
-                    grader=res.get("grader"), engine=s.get("engine"), dtype=s.get("dtype"), tools=s.get("tools"),
-                    step=step if step is not None else res.get("step"), paper=p.get("paper_protocol"))
+def _identity(rec: Record) -> Identity:
+    return Identity(**rec.identity, paper=paper_protocol(rec.identity))
 
 
-RESULTS_KEYS = {"benchmark": (), "metrics": (), "settings": ("model",),
-                "protocol": ("n", "temperature", "top_p", "template", "max_tokens")}
-
-
-def _check_results_file(f: Path, res) -> None:
-    """StareError naming `f` and what it lacks, when it is not a results file `stare eval` wrote."""
-    missing = [k for k in RESULTS_KEYS if not isinstance(res, dict) or k not in res]
-    missing += [f"{k}.{sub}" for k, subs in RESULTS_KEYS.items() if k not in missing for sub in subs
-                if not isinstance(res[k], dict) or sub not in res[k]]
-    if missing:
-        raise StareError(f"{f}: not a results file `stare eval` wrote (no {', '.join(missing)})",
-                         hint="remove it, or run the evaluation again to rewrite it")
-
-
-def _collect_results(folder: Path) -> dict[str, dict]:
-    """bench -> results.json found below `folder` (the newest when several)."""
-    found: dict[str, tuple[float, dict]] = {}
-    for f in folder.rglob("results.json"):
-        try:
-            res = json.loads(f.read_text())
-        except (OSError, json.JSONDecodeError) as e:  # never a table silently missing a result
-            raise StareError(f"{f}: unreadable results file ({type(e).__name__})",
-                             hint="remove it, or run the evaluation again to rewrite it") from None
-        _check_results_file(f, res)
-        b = res.get("benchmark")
-        if b and (b not in found or f.stat().st_mtime > found[b][0]):
-            found[b] = (f.stat().st_mtime, res)
-    return {b: r for b, (_, r) in found.items()}
-
-
-def _verl_results(run: Path, cfg: dict, rows: list[dict]) -> dict[str, dict]:
-    """bench -> a results.json-like dict from a verl run's mirrored validation metrics (the last
-    step that validated): verl's `val-core/<bench>/acc/mean@N` is avg@N over the validation set."""
-    import re
-
-    pat = re.compile(r"^val-core/(.+)/acc/mean@(\d+)$")
-    latest: dict[str, tuple[int, int, float]] = {}
-    for row in rows:
-        for k, v in row.items():
-            m = pat.match(k)
-            if m:
-                latest[m.group(1)] = (int(row.get("step", 0)), int(m.group(2)), float(v))
-    if not latest:
-        return {}
-    counts: dict[str, int] = {}
-    meta = json.loads((run / "meta.json").read_text()) if (run / "meta.json").exists() else {}
-    val = next((o.split("=", 1)[1] for o in meta.get("overrides", []) if o.startswith("data.val_files=")), "")
-    for f in val.strip("[]").split(","):
-        try:
-            import pandas as pd
-
-            df = pd.read_parquet(f, columns=["data_source"])
-            for src, c in df["data_source"].value_counts().items():
-                counts[str(src)] = counts.get(str(src), 0) + int(c)
-        except Exception:  # the data may live on the cluster only
-            continue
-    ev, ro = cfg.get("eval", {}), cfg.get("rollout", {})
-    out = {}
-    for bench, (step, n, acc) in latest.items():
-        spec = BENCHMARKS.get(bench)
-        problems = counts.get(bench) or (min(ev.get("limit") or spec.size, spec.size) if spec else 0)
-        out[bench] = {
-            "benchmark": bench, "step": step,
-            "settings": {"model": str(run), "limit": ev.get("limit"), "seed": cfg.get("optim", {}).get("seed")},
-            "protocol": {"n": n, "temperature": ev.get("temperature"), "top_p": ev.get("top_p"),
-                         "template": cfg.get("data", {}).get("template"), "max_tokens": ro.get("max_response_tokens")},
-            "metrics": {"n": n, "problems": problems, f"avg@{n}": 100.0 * acc},
-        }
-    return out
-
-
-def _run_evaluations(run: Path) -> dict[int, dict[str, dict]]:
-    """step -> bench -> results.json of the run's own evaluations: those the trainer made (settings.model
-    '<run dir>@step-N', under eval/step-N/). An ad-hoc `stare eval` of one of its checkpoints, written under
-    the same eval/ folder, is not the run's row (compare that folder itself to see it)."""
-    import re
-
-    out: dict[int, dict[str, tuple[float, dict]]] = {}
-    for f in (run / "eval").rglob("results.json"):
-        try:
-            res = json.loads(f.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise StareError(f"{f}: unreadable results file ({type(e).__name__})",
-                             hint="remove it, or run the evaluation again to rewrite it") from None
-        m = re.search(r"@step-(\d+)$", str(res.get("settings", {}).get("model", "")))
-        b = res.get("benchmark")
-        if not m or not b:
-            continue
-        cur = out.setdefault(int(m.group(1)), {})
-        if b not in cur or f.stat().st_mtime > cur[b][0]:
-            cur[b] = (f.stat().st_mtime, res)
-    return {st: {b: r for b, (_, r) in bs.items()} for st, bs in out.items()}
-
-
-def load_inputs(paths: list[Path], step: Optional[int] = None) -> list[Result]:
-    """Results of run directories (each run's own evaluation at `step`, default its last evaluated step)
-    and of `stare eval` output folders (each evaluation in them, per seed)."""
-    out = []
+def load_inputs(paths: list[Path], step: Optional[int] = None, notes: Optional[list[str]] = None) -> list[Result]:
+    """Every evaluation under `paths` (run directories, sweeps, evaluation folders, parents of them: the one
+    reader, stare_kernel/reader.py), as Results: a training run's own evaluations at `step` (default: each
+    run's last evaluated step), every other evaluation as it is, one Result per seed. What is not shown is
+    said in `notes` (superseded records, copies, a run's earlier steps)."""
+    found = find_records(paths)
+    if notes is not None:
+        notes.extend(found.notes)
     for p in paths:
-        if not p.exists():
-            raise StareError(f"compare: '{p}' does not exist")
-        if (p / "config.yaml").exists():  # a training run
-            cfg = yaml.safe_load((p / "config.yaml").read_text())
-            r = Result(label=cfg["method"]["name"], seed=cfg["optim"]["seed"], source=str(p), config=_variant(cfg))
-            r.metrics_rows = read_jsonl(p / "metrics.jsonl", strict=True)
-            by_step = _run_evaluations(p) if (p / "eval").exists() else {}
-            if not by_step and cfg.get("backend", {}).get("name") == "verl":
-                rows = [x for x in r.metrics_rows if step is None or x.get("step") == step]
-                results = _verl_results(p, cfg, rows)
-                by_step = {max(x["step"] for x in results.values()): results} if results else {}
-            if step is not None and by_step and step not in by_step:
+        if not is_run_dir(p) and not any(_under(r, p) for r in found.records):
+            raise StareError(f"compare: '{p}' is neither a run directory nor holds evaluation results "
+                             "(records/ or results.json below it)",
+                             hint="point at run directories, sweeps or `stare eval` output folders")
+    own = [r for r in found.records if _own_run(r) is not None]
+    last: dict[str, int] = {}
+    for r in own:
+        last[r.run["dir"]] = max(last.get(r.run["dir"], -1), r.identity["step"])
+    if step is not None:
+        for p in paths:
+            steps = sorted({r.identity["step"] for r in own if _own_run(r) == Path(p).resolve()})
+            if steps and step not in steps:
                 raise StareError(f"compare: {p} has no evaluation at step {step} (evaluated at steps "
-                                 f"{', '.join(map(str, sorted(by_step)))})", hint="--step one of those, or drop --step")
-            at = step if step is not None else (max(by_step) if by_step else None)
-            results = by_step.get(at, {}) if at is not None else {}
-            _fill(r, results, at)
-            out.extend(_per_eval_seed(r, results, p))
-            continue
-        if not _collect_results(p):
-            raise StareError(f"compare: '{p}' is neither a run directory nor holds results.json files")
-        for results in _collect_evaluations(p):  # each `stare eval` into the folder: its own row(s)
-            model = next(iter(results.values()))["settings"]["model"]
-            r = Result(label=Path(model).name or model, seed=next(iter(results.values()))["settings"].get("seed"),
-                       source=str(p), config={"model": model})
-            _fill(r, results)
-            out.extend(_per_eval_seed(r, results, p))
-    return out
-
-
-def _fill(r: Result, results: dict[str, dict], step: Optional[int] = None) -> None:
-    for b, res in results.items():
-        r.metrics[b] = res["metrics"]
-        r.protocol[b] = _identity(res, step)
-
-
-def _collect_evaluations(folder: Path) -> list[dict[str, dict]]:
-    """bench -> results, once per evaluation written below an evaluation folder (the `evaluation` id
-    every `stare eval` command records), under each benchmark folder's latest grader; newest last.
-    Results written before the id existed form one evaluation of their newest per benchmark."""
-    groups: dict[str, dict[str, tuple[float, dict]]] = {}
-    for f in folder.rglob("results.json"):
-        latest = json.loads(f.read_text())  # readable: _collect_results checked it
-        grader = str(latest.get("grader", "")).split("@")[0]
-        files = [g for g in sorted((f.parent / "results").glob("*.json")) if g.name.split("-", 1)[-1] == f"{grader}.json"]
-        for g in files or [f]:  # a folder without per-setting files: its results.json alone
-            try:
-                res = json.loads(g.read_text())
-            except (OSError, json.JSONDecodeError) as e:
-                raise StareError(f"{g}: unreadable results file ({type(e).__name__})",
-                                 hint="remove it, or run the evaluation again to rewrite it") from None
-            ev, b, t = res.get("evaluation") or "", res.get("benchmark"), g.stat().st_mtime
-            cur = groups.setdefault(ev, {})
-            if b and (b not in cur or t > cur[b][0]):  # within one evaluation: its last seed (with over_seeds)
-                cur[b] = (t, res)
-    if not groups:
-        return [_collect_results(folder)]
-    ordered = sorted(groups.values(), key=lambda g: max(t for t, _ in g.values()))
-    return [{b: res for b, (_, res) in g.items()} for g in ordered]
-
-
-def _per_eval_seed(r: Result, results: dict[str, dict], source: Path) -> list[Result]:
-    """One Result per evaluation seed where `stare eval --seed A --seed B ...` recorded them
-    (`over_seeds`: the seeds' results files), so that rows show mean ± std over them like training
-    seeds; else [r]. A seed's file that is gone is an error, never a silently smaller spread."""
-    spread = {b: res["over_seeds"] for b, res in results.items() if res.get("over_seeds")}
-    if not spread:
-        return [r]
-    k = max(len(sp["results"]) for sp in spread.values())
-    out = []
-    for i in range(k):
-        ri = Result(label=r.label, seed=r.seed, source=r.source, protocol=dict(r.protocol),
-                    metrics_rows=r.metrics_rows if i == 0 else [], config=r.config)
-        for b, m in r.metrics.items():
-            if b not in spread:
-                ri.metrics[b] = m if i == 0 else None
+                                 f"{', '.join(map(str, steps))})", hint="--step one of those, or drop --step")
+    shown, hidden = [], 0
+    for r in found.records:
+        if _own_run(r) is not None:
+            at = step if step is not None else last[r.run["dir"]]
+            if r.identity["step"] != at:
+                hidden += 1
                 continue
-            files = list(source.rglob(spread[b]["results"][i])) if i < len(spread[b]["results"]) else []
-            if not files:
-                raise StareError(f"{source}: {b}'s seed {i + 1} results file is missing ({spread[b]['results'][i]})",
-                                 hint="run the evaluation with the same seeds again to rewrite it")
-            res = json.loads(files[0].read_text())
-            ri.metrics[b] = res["metrics"]
-            ri.protocol[b] = _identity(res, r.protocol[b].step)
-            ri.seed = res.get("settings", {}).get("seed", ri.seed)  # each seed's own (a repeat replaces it)
-        ri.metrics = {b: m for b, m in ri.metrics.items() if m is not None}
-        out.append(ri)
+        shown.append(r)
+    if hidden and notes is not None:
+        notes.append(f"{hidden} evaluation{'s' if hidden > 1 else ''} of training runs at "
+                     + ("other steps" if step is not None else "earlier steps")
+                     + " not shown (a run's row is its evaluation at --step, by default its last evaluated step)")
+    units: dict[tuple, list[Result]] = {}
+    for r in shown:
+        unit = _unit(r)
+        res_list = units.setdefault(unit, [])
+        res = next((x for x in res_list if r.identity["benchmark"] not in x.metrics), None)
+        if res is None:
+            res = _new_result(r)
+            res_list.append(res)
+        res.metrics[r.identity["benchmark"]] = r.metrics
+        res.protocol[r.identity["benchmark"]] = _identity(r)
+    out = [x for rs in units.values() for x in rs]
+    for p in paths:  # a run with no evaluation yet: its training dynamics still plot
+        if is_run_dir(p) and not any(Path(x.source).resolve() == Path(p).resolve() for x in out):
+            cfg = yaml.safe_load((Path(p) / "config.yaml").read_text())
+            out.append(Result(label=cfg["method"]["name"], seed=str(cfg["optim"]["seed"]), source=str(p),
+                              metrics_rows=read_jsonl(Path(p) / "metrics.jsonl", strict=True),
+                              config=recipe_variant(cfg)))
     return out
+
+
+def _under(r: Record, p: Path) -> bool:
+    where = r.path or r.folder
+    try:
+        Path(where).resolve().relative_to(Path(p).resolve())
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def _own_run(r: Record) -> Optional[Path]:
+    """The run directory whose trainer made this evaluation (it lies in the run's eval/ folder), or None."""
+    if not r.run or r.identity.get("step") is None or r.folder is None:
+        return None
+    run = Path(r.run["dir"]).resolve()
+    try:
+        Path(r.folder).resolve().relative_to(run / "eval")
+    except ValueError:
+        return None
+    return run
+
+
+def _unit(r: Record) -> tuple:
+    """What one Result holds: a run's evaluations at one step, or one evaluation command's at one seed."""
+    if r.run and r.identity.get("step") is not None:
+        return ("run", r.run["dir"], r.identity["step"], r.evaluation or "", r.seed_name)
+    where = r.evaluation or str(Path(r.folder or ".").parent)
+    return ("eval", where, r.model_path, r.seed_name)
+
+
+_RUN_CONFIGS: dict[str, dict] = {}
+
+
+def _new_result(r: Record) -> Result:
+    if r.run:
+        run = Path(r.run["dir"])
+        cfg = _RUN_CONFIGS.get(str(run))
+        if cfg is None and (run / "config.yaml").exists():
+            cfg = _RUN_CONFIGS[str(run)] = yaml.safe_load((run / "config.yaml").read_text())
+        method = r.identity.get("method")
+        label = method if method and method != UNKNOWN else (cfg or {}).get("method", {}).get("name", run.name)
+        rows = read_jsonl(run / "metrics.jsonl", strict=True) if _own_run(r) is not None else []
+        acted = run_acted(run, r.identity.get("step")) if (run / "metrics.jsonl").exists() else None
+        return Result(label=label, seed=r.seed_name, source=str(run), metrics_rows=rows,
+                      config=recipe_variant(cfg) if cfg else {}, acted=acted)
+    model = str(r.model_path or "?")
+    return Result(label=Path(model).name or model, seed=r.seed_name, source=str(r.folder.parent if r.folder else "?"),
+                  config={"model": model})
 
 
 def metric_key(metric: str, n: int) -> str:
@@ -307,7 +211,9 @@ class Row:
     identity: dict[str, Identity] = field(default_factory=dict)  # bench -> what the row's cells measured
     step: str = ""  # the training step of a run's evaluation ("" for evaluation folders)
     not_paper: str = ""  # benchmarks evaluated under another protocol than the paper's, and how
-    seed_avgs: dict[int, float] = field(default_factory=dict)  # seed -> its average over the benchmarks
+    seed_avgs: dict[str, float] = field(default_factory=dict)  # seed -> its average over the benchmarks
+    never_acted: str = ""  # the method never acted in the row's runs (STARE's gate never open, ...): why
+    seeds: list[str] = field(default_factory=list)  # the seeds pooled
 
 
 class Delta(NamedTuple):
@@ -344,16 +250,8 @@ def _dedupe_seeds(rs: list[Result], replaced: list[str]) -> list[Result]:
 
 def _differences(ids: list[Identity]) -> list[str]:
     """The identity fields on which `ids` disagree, as 'field a/b' strings ('-' for a field one of them
-    lacks: the step of an evaluation that is not a training run's)."""
-    out = []
-    for i, name in enumerate(_IDENTITY_FIELDS):
-        vals = []
-        for x in ids:
-            if x[i] not in vals:
-                vals.append(x[i])
-        if len(vals) > 1:
-            out.append(f"{name} {'/'.join('-' if v is None else str(v) for v in vals)}")
-    return out
+    lacks: the step of an evaluation that is not a training run's): the ledger's `differences`."""
+    return differences([x._asdict() for x in ids])
 
 
 def build_rows(results: list[Result], metric: str = "avg", benches: tuple[str, ...] = PAPER_ORDER) -> tuple[list[Row], dict]:
@@ -390,11 +288,13 @@ def build_rows(results: list[Result], metric: str = "avg", benches: tuple[str, .
     for rs in groups.values():
         for r in rs:
             for b in benches:
-                if b in r.protocol and r.protocol[b] not in protos[b]:
-                    protos[b].append(r.protocol[b])
+                if b in r.protocol and measured(r.protocol[b]) not in protos[b]:
+                    protos[b].append(measured(r.protocol[b]))
     mixed = {b for b, ps in protos.items() if len(ps) > 1}
-    why = [f"{BENCHMARKS[b].title if b in BENCHMARKS else b}: {', '.join(_differences(protos[b]))}" for b in benches
-           if b in mixed]
+    seed_sets = {tuple(sorted({r.seed for r in rs if r.seed is not None})) for rs in groups.values()}
+    seed_txt = ("; seeds " + " / ".join(",".join(x) or "-" for x in sorted(seed_sets))) if len(seed_sets) > 1 else ""
+    why = [f"{BENCHMARKS[b].title if b in BENCHMARKS else b}: {', '.join(_differences(protos[b]))}{seed_txt}"
+           for b in benches if b in mixed]
     kinds: set[str] = set()
     rows = []
     for (label, conf), rs in groups.items():
@@ -424,12 +324,12 @@ def build_rows(results: list[Result], metric: str = "avg", benches: tuple[str, .
             if len(vs) == len(benches):
                 per_seed_avgs.append(sum(vs) / len(vs))
                 if r.seed is not None:
-                    seed_avgs[int(r.seed)] = per_seed_avgs[-1]
+                    seed_avgs[r.seed] = per_seed_avgs[-1]
         avg = (statistics.fmean(per_seed_avgs), statistics.stdev(per_seed_avgs) if len(per_seed_avgs) > 1 else 0.0,
                len(per_seed_avgs)) if per_seed_avgs else None
         proto = {b: p for r in rs for b, p in r.protocol.items()}
         flagged = any(b in mixed for b in proto)
-        lim = any(p.limited for p in proto.values())
+        lim = any(p.partial is not False for p in proto.values())
         note = "; ".join(f"{b}: {_describe(p)}" for b, p in proto.items() if b in mixed) if flagged else (
             "limited" if lim else "")
         if len(per_seed_avgs) > 1:
@@ -438,9 +338,11 @@ def build_rows(results: list[Result], metric: str = "avg", benches: tuple[str, .
             kinds.add(kind)
         steps = sorted({p.step for p in proto.values() if p.step is not None})
         not_paper = [f"{b}: {_describe(p)}" for b, p in proto.items() if p.paper is False]
+        acted = sorted({r.acted for r in rs if r.acted})
         rows.append(Row(names[(label, conf)], cells, avg, ci=ci, flagged=flagged or lim, note=note,
                         identity=proto, step="/".join(map(str, steps)), not_paper="; ".join(not_paper),
-                        seed_avgs=seed_avgs))
+                        seed_avgs=seed_avgs, never_acted="; ".join(acted) if acted and len(acted) == 1 and all(
+                            r.acted for r in rs) else "", seeds=[r.seed for r in rs if r.seed is not None]))
     ns = sorted({r.metrics[b]["n"] for rs in groups.values() for r in rs for b in r.metrics})
     return rows, {"metric": metric, "ns": ns, "mixed": sorted(mixed), "why": why, "replaced": replaced,
                   "intervals": sorted(kinds)}
@@ -448,9 +350,11 @@ def build_rows(results: list[Result], metric: str = "avg", benches: tuple[str, .
 
 def _describe(p: Identity) -> str:
     """One benchmark's identity in a note: 'N=4 T=0.6 top_p=1.0 short max=64 limited (64 problems) grader=...'."""
-    txt = f"N={p.N} T={p.T} top_p={p.top_p} {p.template} max={p.max}"
-    txt += f" limited ({p.problems} problems)" if p.limited else ""
-    txt += "".join(f" {k}={getattr(p, k)}" for k in ("grader", "engine", "step") if getattr(p, k) is not None)
+    txt = f"N={p.n} T={p.temperature} top_p={p.top_p} {p.template} max={p.max_tokens}"
+    txt += f" limited ({p.problems} problems)" if p.partial is True else (" problems unknown" if p.partial == UNKNOWN else "")
+    txt += "".join(f" {k}={short(getattr(p, k))}" for k in ("tools", "grader", "engine", "dtype", "step")
+                   if getattr(p, k) is not None)
+    txt += " (recorded before the ledger: some fields unknown)" if p.ledger == 0 else ""
     return txt
 
 
@@ -473,14 +377,14 @@ def _protocol_labels(groups: dict[tuple, list[Result]], benches: tuple[str, ...]
                 for i, name in enumerate(_IDENTITY_FIELDS):
                     values = {p[b][i] for p in protos.values() if p.get(b) is not None}
                     if mine is not None and len(values) > 1 and f"{name}=" not in " ".join(parts):
-                        parts.append(f"{name}={mine[i]}")
+                        parts.append(f"{name}={short(mine[i])}")
             out[k] = f"{label} [{', '.join(parts)}]" if parts else label
     return out
 
 
 def paper_rows(scenario: str, benches: tuple[str, ...] = PAPER_ORDER) -> list[Row]:
     if scenario not in PAPER_MODELS:
-        from stare_cli.core.errors import did_you_mean
+        from stare_kernel.errors import did_you_mean
 
         raise StareError(f"unknown paper scenario '{scenario}'{did_you_mean(scenario, PAPER_MODELS)}; "
                          f"valid: {', '.join(PAPER_MODELS)}")
@@ -517,13 +421,23 @@ def add_delta(rows: list[Row], baseline: Optional[str], info: Optional[dict] = N
     base = next((r for r in rows if not r.paper and r.label == baseline), None) or next(
         (r for r in rows if r.paper and r.label == f"{title} (paper)"), None)
     if base is None or base.avg is None:
+        split = [r.label for r in rows if not r.paper and r.label.partition(" [")[0] == baseline]
+        if len(split) > 1:
+            raise StareError(f"compare: the rows of baseline '{baseline}' differ in more than the seed, so none is "
+                             f"the baseline: {'; '.join(_title(x) for x in split)}",
+                             hint="keep one of them (--step S picks one step of every run), or compare them apart")
+        if split:
+            raise StareError(f"compare: the row of baseline '{baseline}' lacks a benchmark other rows have",
+                             hint="evaluate it on every benchmark of the table, or compare those benchmarks only")
         raise StareError(f"compare: no row for baseline '{baseline}' with all benchmarks",
                          hint="name a method present in the inputs or the paper rows")
     out: dict[int, Optional[Delta]] = {}
     for i, r in enumerate(rows):
         diff = [] if (r.paper or base.paper or r is base) else [
-            f"{b}: {', '.join(_differences([base.identity[b], r.identity[b]]))}"
-            for b in base.identity if b in r.identity and base.identity[b] != r.identity[b]]
+            f"{b}: {', '.join(_differences([measured(base.identity[b]), measured(r.identity[b])]))}"
+            for b in base.identity if b in r.identity and measured(base.identity[b]) != measured(r.identity[b])]
+        if base.paper and not r.paper and r.not_paper:  # a paper number beside ours only under its protocol
+            diff = [f"not the paper's protocol ({r.not_paper})"]
         if diff and info is not None:
             info.setdefault("no_delta", []).append(f"{_title(r.label)} (vs {_title(base.label)}: {'; '.join(diff)})")
         if not r.avg or diff:
@@ -544,6 +458,22 @@ def add_delta(rows: list[Row], baseline: Optional[str], info: Optional[dict] = N
         if info is not None:
             info.setdefault("paired", []).append(f"{_title(r.label)}: seeds {', '.join(map(str, seeds))}")
     return out
+
+
+def mark_text(r: Row, beside_paper: bool) -> str:
+    """The marks after a row's label: † prior work, * another or reduced protocol, ‡ not the paper's
+    protocol (beside the paper's rows), § the method never acted."""
+    return ((" †" if r.prior else "") + (" *" if r.flagged else "") + (" ‡" if beside_paper and r.not_paper else "")
+            + (" §" if r.never_acted else ""))
+
+
+def _identity_column(r: Row, f: str) -> str:
+    """A row's value of identity field `f` for a CSV column: the value where its benchmarks agree, else
+    'bench=value; ...'."""
+    vals = {b: getattr(p, f) for b, p in r.identity.items()}
+    if len({json.dumps(v, default=str) for v in vals.values()}) <= 1:
+        return "" if not vals else ("" if next(iter(vals.values())) is None else str(next(iter(vals.values()))))
+    return "; ".join(f"{b}={v}" for b, v in vals.items())
 
 
 def _fmt(cell: Optional[tuple[float, float, int]], with_std: bool, ci: Optional[tuple[float, float]] = None) -> str:
@@ -570,14 +500,15 @@ def render(rows: list[Row], info: dict, fmt: str, deltas: dict[int, Optional[Del
         vals = [(r.avg if b == "avg" else r.cells.get(b)) for r in rows]
         vals = [v[0] for v in vals if v is not None]
         comparable = not (mixed & ({b} if b != "avg" else set(benches)))  # no "best" across protocols
-        best[b] = max(vals) if len(vals) >= 2 and comparable else None  # bold means best of several
+        # bold means best of several that differ: rows all equal (a method that never acted) have no best
+        best[b] = max(vals) if len(vals) >= 2 and comparable and max(vals) > min(vals) else None
+    any_best = any(v is not None for v in best.values())
+    info["best_marked"] = any_best
     body = []
     for i, r in enumerate(rows):
         label = _title(r.label) if not r.paper else r.label
-        if fmt != "json":
-            label += " †" if r.prior else ""
-            label += " *" if r.flagged else ""
-            label += " ‡" if beside_paper and r.not_paper else ""
+        if fmt not in ("json", "csv"):
+            label += mark_text(r, beside_paper)
         cells = []
         for b in [*benches, "avg"]:
             c = r.avg if b == "avg" else r.cells.get(b)
@@ -592,8 +523,10 @@ def render(rows: list[Row], info: dict, fmt: str, deltas: dict[int, Optional[Del
             "metric": metric, "n": ns, "benchmarks": list(benches), "mixed_protocols": info["mixed"],
             "not_comparable": info.get("why", []), "no_delta": info.get("no_delta", []),
             "intervals": info.get("intervals", []), "seeds_replaced": info.get("replaced", []),
+            "notes": info.get("reader_notes", []),
             "rows": [{"label": lab, "paper": r.paper, "from_prior_work": r.prior, "flagged": r.flagged, "note": r.note,
                       "step": r.step or None, "not_paper_protocol": r.not_paper or None,
+                      "never_acted": r.never_acted or None, "seed_list": r.seeds,
                       "identity": {b: p._asdict() for b, p in r.identity.items()},
                       "cells": {b: (None if (r.avg if b == "avg" else r.cells.get(b)) is None else
                                     {**dict(zip(("mean", "std", "seeds"), (r.avg if b == "avg" else r.cells[b]))),
@@ -614,17 +547,24 @@ def render(rows: list[Row], info: dict, fmt: str, deltas: dict[int, Optional[Del
         cols = [*benches, "avg"]
         ci_head = [f"{h} CI{e}" for b, h in zip(cols, header[1:len(cols) + 1]) for e in (" low", " high")] if with_ci else []
         ci_head += ["Δ Avg CI low", "Δ Avg CI high"] if with_ci and deltas else []
-        w.writerow([*header, *ci_head, "notes"])
+        ident_head = [f"identity.{f}" for f in (*IDENTITY_FIELDS, "paper")]
+        w.writerow([*header, *ci_head, "marks", "seed list", *ident_head, "notes"])
         for lab, _, d, seeds, r in body:
             vals = [(r.avg if b == "avg" else r.cells.get(b)) for b in cols]
             nums = ["" if v is None else f"{v[0]:.1f}" for v in vals]
             cis = [("" if b not in r.ci else f"{r.ci[b][i]:.1f}") for b in cols for i in (0, 1)] if with_ci else []
             cis += ["" if d is None or not d.ci else f"{d.ci[i]:.1f}" for i in (0, 1)] if with_ci and deltas else []
             note = "; ".join(x for x in ["from prior work (not run under the paper's recipe)" if r.prior else "",
-                                         f"different or reduced protocol: {r.note}" if r.flagged else ""] if x)
+                                         f"different or reduced protocol: {r.note}" if r.flagged else "",
+                                         f"not the paper's protocol: {r.not_paper}" if beside_paper and r.not_paper else "",
+                                         f"never acted: {r.never_acted}" if r.never_acted else ""] if x)
             name = _title(r.label) if not r.paper else r.label
+            idents = [_identity_column(r, f) for f in (*IDENTITY_FIELDS, "paper")]
             w.writerow([name, *nums, *(["" if d is None else f"{d.value:.1f}"] if deltas else []),
-                        *([x.replace("–", "") for x in seeds.split(" | ")] if with_step else [seeds]), *cis, note])
+                        *([x.replace("–", "") for x in seeds.split(" | ")] if with_step else [seeds]), *cis,
+                        mark_text(r, beside_paper).strip(), " ".join(r.seeds), *idents, note])
+        for rep_ in [*info.get("replaced", []), *info.get("reader_notes", [])]:
+            w.writerow([f"# {rep_}"])
         return buf.getvalue()
     notes = []
     if any(r.prior for r in rows):
@@ -635,9 +575,13 @@ def render(rows: list[Row], info: dict, fmt: str, deltas: dict[int, Optional[Del
     if beside_paper and any(r.not_paper for r in rows):
         notes.append("‡ not the paper's protocol (samples, temperature, top_p or all problems): " + "; ".join(
             f"{_title(r.label)}: {r.not_paper}" for r in rows if r.not_paper))
+    if any(r.never_acted for r in rows):
+        notes.append("§ the method never acted in these runs, so they ran as its baseline: " + "; ".join(
+            f"{_title(r.label)}: {r.never_acted}" for r in rows if r.never_acted))
     if info.get("why"):
         notes.append("No best is marked and no Δ is given where rows differ in more than the method or model: "
                      + "; ".join(info["why"]))
+    notes += info.get("reader_notes", [])
     if info.get("no_delta"):
         notes.append("No Δ for " + "; ".join(info["no_delta"]))
     if with_ci and info.get("paired"):
@@ -666,7 +610,8 @@ def render(rows: list[Row], info: dict, fmt: str, deltas: dict[int, Optional[Del
     if fmt == "latex":
         esc = lambda s: s.replace("%", "\\%").replace("&", "\\&").replace("_", "\\_").replace("±", "$\\pm$").replace("†", "$^\\dagger$").replace("Δ", "$\\Delta$")  # noqa: E731
         cols = "l" + "c" * (len(header) - 1)
-        out = ["\\begin{table}[t]", "\\centering", f"\\caption{{Accuracy ({esc(mlabel)}, {n_txt}). Best per column in bold.}}",
+        bold = " Best per column in bold." if any_best else ""
+        out = ["\\begin{table}[t]", "\\centering", f"\\caption{{Accuracy ({esc(mlabel)}, {n_txt}).{bold}}}",
                f"\\begin{{tabular}}{{{cols}}}", "\\toprule", " & ".join(esc(h) for h in header) + " \\\\", "\\midrule"]
         for lab, cells, d, seeds, _ in body:
             cs = [f"\\textbf{{{esc(c)}}}" if b else esc(c) for c, b in cells]
@@ -683,7 +628,9 @@ def print_rich(rows: list[Row], info: dict, deltas, benches=PAPER_ORDER, with_ci
 
     data = json.loads(render(rows, info, "json", deltas, benches))
     mlabel = {"avg": "avg@N"}.get(info["metric"], info["metric"])
-    t = Table(title=f"Accuracy, {mlabel} (N={'/'.join(map(str, info['ns']))}); best per column in bold")
+    md = render(rows, info, "md", deltas, benches, with_ci).splitlines()
+    bold = "; best per column in bold" if info.get("best_marked") else ""
+    t = Table(title=f"Accuracy, {mlabel} (N={'/'.join(map(str, info['ns']))}){bold}")
     t.add_column("Method")
     for b in benches:
         t.add_column(BENCHMARKS[b].title, justify="right")
@@ -693,7 +640,6 @@ def print_rich(rows: list[Row], info: dict, deltas, benches=PAPER_ORDER, with_ci
     if any(r.step for r in rows):
         t.add_column("step", justify="right")
     t.add_column("seeds", justify="right")
-    md = render(rows, info, "md", deltas, benches, with_ci).splitlines()
     table_lines = [ln for ln in md if ln.startswith("| ") and not ln.startswith("| Method")]
     for ln, r in zip(table_lines, data["rows"]):
         cells = [c.strip() for c in ln.strip("|").split("|")]
@@ -702,7 +648,7 @@ def print_rich(rows: list[Row], info: dict, deltas, benches=PAPER_ORDER, with_ci
     c = table_console()
     c.print(t)
     for ln in md:
-        if ln.startswith(("†", "*", "‡", "No ", "Intervals", "Δ intervals", "Seed repeated")):
+        if ln and not ln.startswith(("|", "Metric:")):
             c.print(ln, markup=False)
 
 
@@ -744,30 +690,40 @@ class PassKCurve:
 
 
 def passk_curves(results: list[Result], bench: str) -> dict[str, PassKCurve]:
-    """The pass@k curves to draw for a benchmark, by legend entry: the seeds of one label (several
-    runs with distinct seeds) become one mean curve with `seed_interval`'s interval (95% t for 3+ seeds,
-    the range for 2); everything else one curve per run."""
+    """The pass@k curves to draw for a benchmark, by legend entry: the results of one label and one identity
+    (the ledger's pool_key: they differ in the seed alone) become one curve, the mean over their seeds with
+    `seed_interval`'s interval (95% t for 3+ seeds, the range for 2) where there are several; results of
+    one label under different identities are separate curves named by what differs."""
     from benchmarks.evaluation.metrics import PERCENT, seed_interval
 
-    labels = dict(zip(map(id, results), legend_labels(results)))
-    by_label: dict[str, list[Result]] = {}
+    groups: dict[tuple[str, str], list[Result]] = {}
     for r in results:
         if r.metrics.get(bench):
-            by_label.setdefault(r.label, []).append(r)
+            groups.setdefault((r.label, pool_key(_fields(r, bench))), []).append(r)
+    by_label: dict[str, list[tuple[str, str]]] = {}
+    for key in groups:
+        by_label.setdefault(key[0], []).append(key)
     out: dict[str, PassKCurve] = {}
-    for label, rs in by_label.items():
-        ks_of = [sorted(int(k.split("@")[1]) for k in r.metrics[bench] if k.startswith("pass@")) for r in rs]
-        if len(rs) > 1 and len({r.seed for r in rs}) == len(rs) and all(ks == ks_of[0] for ks in ks_of):
-            ks = ks_of[0]
-            vals = [[r.metrics[bench][f"pass@{k}"] for r in rs] for k in ks]
-            cis = [seed_interval(v, within=PERCENT) for v in vals]
-            what = {"t95": "95% t-interval", "range": "range"}[cis[0][2]]
-            out[f"{_title(label)} ({len(rs)} seeds, mean, {what})"] = PassKCurve(
-                ks, [sum(v) / len(v) for v in vals], [c[0] for c in cis], [c[1] for c in cis])
-        else:
-            for r, ks in zip(rs, ks_of):
-                out[labels[id(r)]] = PassKCurve(ks, [r.metrics[bench][f"pass@{k}"] for k in ks])
+    for label, keys in by_label.items():
+        tags = labels_by_difference([_fields(groups[k][0], bench) for k in keys], skip=("paper",))
+        for key, tag in zip(keys, tags):
+            rs = list({r.seed: r for r in groups[key]}.values())  # one per seed (a repeat: the later)
+            name = _title(label) + (f" [{tag}]" if tag else "")
+            ks_of = [sorted(int(k.split("@")[1]) for k in r.metrics[bench] if k.startswith("pass@")) for r in rs]
+            ks = sorted(set(ks_of[0]).intersection(*ks_of[1:]))
+            if len(rs) > 1:
+                vals = [[r.metrics[bench][f"pass@{k}"] for r in rs] for k in ks]
+                cis = [seed_interval(v, within=PERCENT) for v in vals]
+                what = {"t95": "95% t-interval", "range": "range"}[cis[0][2]] if cis else ""
+                out[f"{name} ({len(rs)} seeds, mean, {what})"] = PassKCurve(
+                    ks, [sum(v) / len(v) for v in vals], [c[0] for c in cis], [c[1] for c in cis])
+            else:
+                out[f"{name} (seed {rs[0].seed})"] = PassKCurve(ks, [rs[0].metrics[bench][f"pass@{k}"] for k in ks])
     return out
+
+
+def _fields(r: Result, bench: str) -> dict:
+    return r.protocol[bench]._asdict() if bench in r.protocol else {}
 
 
 def passk_plot(results: list[Result], out_dir: Path) -> list[Path]:

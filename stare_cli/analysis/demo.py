@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from stare_cli.core.errors import StareError, table_console
+from stare_kernel.errors import StareError, table_console
 from stare_cli.core.runs import read_jsonl
 from stare_cli.analysis.sweep import SweepSpec, dynamics_summary, run_sweep
 

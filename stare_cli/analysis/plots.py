@@ -135,7 +135,7 @@ def plot_evals_over_training(evaluations: dict[str, dict[str, dict]], out_base: 
     series: dict[tuple[str, int], dict[str, dict[int, dict]]] = {}  # (bench, n) -> method -> step -> metrics
     for method, per_key in evaluations.items():
         for key, metrics in per_key.items():
-            bench, n, step = key.split()
+            bench, n, step = key.split()[:3]  # a '[field=value, ...]' tail: the same series' other protocol
             if step[5:].isdigit():
                 series.setdefault((bench, int(n[2:])), {}).setdefault(method, {})[int(step[5:])] = metrics
     series = {k: v for k, v in series.items() if any(len(steps) > 1 for steps in v.values())}

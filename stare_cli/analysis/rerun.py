@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stare_cli.core.errors import StareError
+from stare_kernel.errors import StareError
 from stare_cli.core.runs import read_jsonl
 
 NOT_COMPARED = ("time/", "memory/")  # wall clock and memory: no rerun repeats them
@@ -86,13 +86,17 @@ class _Evaluation:
 
 
 def _evaluations(run: Path) -> dict[str, _Evaluation]:
-    """'step S <bench> n=N' -> the evaluation made during training at step S (settings, metrics, its
-    samples.jsonl), under the grader of its latest results.json."""
-    from stare_cli.analysis.sweep import run_evaluation_results
+    """'step S <bench> n=N [grader]' -> the evaluation made during training at step S (its identity as the
+    ledger records it, metrics, its samples.jsonl), through the one reader."""
+    from stare_kernel.reader import find_records
 
-    return {f"step {step} {res['benchmark']} n={res['metrics'].get('n')}":
-            _Evaluation(res.get("settings") or {}, res["metrics"], bench_dir / "samples.jsonl")
-            for step, bench_dir, res in run_evaluation_results(run) if step != "?"}
+    out = {}
+    for r in sorted(find_records([run / "eval"]).records if (run / "eval").is_dir() else [], key=lambda r: r.written):
+        if r.identity.get("step") is None or r.folder is None:
+            continue
+        out[f"step {r.identity['step']} {r.identity['benchmark']} n={r.metrics.get('n')} {r.identity['grader']}"] = \
+            _Evaluation(dict(r.identity), r.metrics, r.folder / "samples.jsonl")
+    return out
 
 
 def _compare_lines(where: str, a: list[dict], b: list[dict], found: list[Difference], skip: tuple = ()) -> int:

@@ -13,9 +13,8 @@ from pathlib import Path
 from typing import Optional
 
 from benchmarks.data.registry import dir_name
-from benchmarks.evaluation.evaluate import latest_grader_results
 from stare_cli.analysis.sweep import SEED_INTERVALS, over_seeds_text, seeds_summary
-from stare_cli.core.errors import StareError
+from stare_kernel.errors import StareError
 from stare_cli.core.runs import read_jsonl
 
 _FIRST_STEP = re.compile(r"(\d+)\s*([+-])\s*(\d+)\s*=")
@@ -57,13 +56,17 @@ def strategy_share(rows: list[dict]) -> StrategyShare:
 def run_strategy_shares(run_dir: Path, bench: str = "toy:explore-hard") -> dict[str, StrategyShare]:
     """Every evaluation of `bench` in a run (in training, per step, and final ones), as
     '<step> n=<N>' -> StrategyShare, from each folder's settings (results/*.json) and samples."""
+    from stare_kernel.reader import find_records
+
     out: dict[str, StrategyShare] = {}
-    for folder in sorted((run_dir / "eval").glob(f"*/{dir_name(bench)}")):
-        rows = read_jsonl(folder / "samples.jsonl") if (folder / "samples.jsonl").exists() else []
-        for info in latest_grader_results(folder):
-            mine = [r for r in rows if r.get("key") == info["key"]]
-            if mine:
-                out[f"{folder.parent.name} n={info['protocol']['n']}"] = strategy_share(mine)
+    recs = find_records([run_dir / "eval"]).records if (run_dir / "eval").is_dir() else []
+    for rec in sorted(recs, key=lambda r: r.written):  # through the one reader; a setting's newest record last
+        if rec.identity["benchmark"] != bench or rec.folder is None:
+            continue
+        rows = read_jsonl(rec.folder / "samples.jsonl") if (rec.folder / "samples.jsonl").exists() else []
+        mine = [r for r in rows if r.get("key") == rec.samples_key]
+        if mine:
+            out[f"{rec.folder.parent.name} n={rec.identity['n']}"] = strategy_share(mine)
     return out
 
 

@@ -42,7 +42,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional, TextIO
 
-from stare_cli.core.errors import Interrupted, StareError, UsageError
+from stare_kernel.errors import Interrupted, StareError, UsageError
+from stare_kernel.ledger import run_acted
+from stare_kernel.reader import find_records
 from stare_cli.analysis.plots import plot_evals_over_training
 from stare_cli.core.runs import (atomic_write_text, git_sha, hold_run_lock, make_out_dir, read_jsonl,
                                  refuse_run_dir_as_parent, run_finished, run_total_steps)
@@ -574,9 +576,16 @@ def _emit(spec: SweepSpec, out: Path, cells: list[Cell], emit: Path, shared_dir:
         log(f"{c.name}: {c.state} {c.script or c.error}")
 
 
+def cell_eval_dir(out: Path, cell: Cell) -> Path:
+    """Where a cell's --eval evaluations go: SWEEP/evals/<cell>/, never into the run (whose evaluation
+    folders its trainer alone writes)."""
+    return out / "evals" / cell.name
+
+
 def _evaluate_cells(spec: SweepSpec, out: Path, done: list[Cell], log: _Log) -> None:
     """Each final checkpoint on the --eval benchmarks, prompted as it was trained (the recipe's
-    data.template), under each benchmark's protocol unless --eval-n / --eval-limit say otherwise."""
+    data.template), under each benchmark's protocol unless --eval-n / --eval-limit say otherwise; into
+    `cell_eval_dir`."""
     import yaml
 
     from benchmarks.evaluation.evaluate import run_eval
@@ -586,8 +595,8 @@ def _evaluate_cells(spec: SweepSpec, out: Path, done: list[Cell], log: _Log) -> 
         template = yaml.safe_load((Path(c.run_dir) / "config.yaml").read_text())["data"]["template"]
         t = time.time()
         run_eval(str(ckpt), list(spec.evals), n=spec.eval_n, limit=spec.eval_limit,  # keyed: re-runs skip work
-                 template=template, seed=c.seed)
-        log(f"evaluated {c.name} on {', '.join(spec.evals)} in {_fmt_s(time.time() - t)}")
+                 template=template, seed=c.seed, out=cell_eval_dir(out, c))
+        log(f"evaluated {c.name} on {', '.join(spec.evals)} into {cell_eval_dir(out, c)} in {_fmt_s(time.time() - t)}")
 
 
 # --------------------------------------------------------------------------------------- report
@@ -707,7 +716,8 @@ def cell_provenance(out: Path, cell: Cell) -> dict:
         d["reward_grader"] = json.loads((run / "meta.json").read_text()).get("reward_grader")
     except (OSError, ValueError):
         pass
-    d["eval_graders"] = sorted({str(res.get("grader")) for _, _, res in run_evaluation_results(run)})
+    d["eval_graders"] = sorted({str(r.identity["grader"]) for r in find_records(
+        [run, *([cell_eval_dir(out, cell)] if cell_eval_dir(out, cell).is_dir() else [])]).records})
     return d
 
 
@@ -738,9 +748,11 @@ def _report(spec: SweepSpec, out: Path, done: list[Cell], paper: Optional[str],
     from stare_cli.analysis import compare as C
 
     runs = [Path(c.run_dir) for c in done]
-    results = C.load_inputs(runs)
+    notes: list[str] = []
+    results = C.load_inputs(runs, notes=notes)  # the table: each run's own evaluations at its last step
     cols = C.columns(results, with_paper=paper is not None)
     rows, info = C.build_rows(results, "avg", cols)
+    info["reader_notes"] = notes
     if paper:
         rows = rows + C.paper_rows(paper, cols)
     md = C.render(rows, info, "md", C.add_delta(rows, None), cols, True)
@@ -752,13 +764,20 @@ def _report(spec: SweepSpec, out: Path, done: list[Cell], paper: Optional[str],
     for c in done:
         s = dynamics_summary(read_jsonl(Path(c.run_dir) / "metrics.jsonl"), h_tgt)
         per_method.setdefault(c.method, {"seeds": {}})["seeds"][c.seed] = s
-    per_seed_evals = {m: {c.seed: _run_evaluations(Path(c.run_dir)) for c in done if c.method == m} for m in per_method}
+    from benchmarks.evaluation.metrics import PERCENT
+
+    evals = cell_evaluations(out, done)
+    per_seed_evals = {m: {c.seed: evals[c.name] for c in done if c.method == m} for m in per_method}
     baseline = next((m for m in spec.methods if m in per_method), None)
     for m, d in per_method.items():
         d["over_seeds"] = seeds_summary(list(d["seeds"].values()))
-        d["evaluations"] = eval_summary([Path(c.run_dir) for c in done if c.method == m])
+        d["evaluations"] = {k: seeds_summary(v, within=PERCENT) for k, v in sorted(
+            _by_key([evals[c.name] for c in done if c.method == m]).items(), key=lambda kv: _eval_order(kv[0]))}
         if m != baseline:
             d["paired_vs_baseline"] = paired_differences(per_seed_evals[m], per_seed_evals[baseline])
+        acted = [c for c in done if c.method == m and run_acted(Path(c.run_dir), None)]
+        if acted:
+            d["never_acted"] = {c.seed: run_acted(Path(c.run_dir), None) for c in acted}
     cells = cells if cells is not None else done
     summary = {"settings": spec.settings(), "baseline": baseline,
                "cells": {"finished": [c.name for c in cells if c.state == "done"],
@@ -774,44 +793,78 @@ def _report(spec: SweepSpec, out: Path, done: list[Cell], paper: Optional[str],
     return md, plots
 
 
-def eval_summary(runs: list[Path]) -> dict:
-    """Evaluation metrics of a method's runs (seeds), per benchmark and protocol: every results.json
-    under run/eval (the in-training ones per step, and final ones such as `--eval`), each metric's
-    mean, std and 95% interval over seeds (all percentages). Keys: '<bench> n=<N> step=<S>'."""
-    from benchmarks.evaluation.metrics import PERCENT
+def cell_evaluations(out: Optional[Path], cells: list[Cell]) -> dict[str, dict[str, dict]]:
+    """Every evaluation of each cell (its run's own, and its --eval ones under `cell_eval_dir`), read through
+    the one reader and keyed by the one identity: {cell name: {key: metrics (avg@, pass@, maj@)}}. A key is
+    '<bench> n=<N> step=<S>', with '[field=value, ...]' added where evaluations differ in more (the ledger's
+    identity less the method, which tells the cells apart): two records never share a key unless they differ
+    in the seed and the method alone."""
+    from stare_kernel.ledger import labels_by_difference, pool_key
+    from stare_kernel.reader import find_records
 
+    recs: dict[str, list] = {}
+    for c in cells:
+        paths = [Path(c.run_dir)] + ([cell_eval_dir(out, c)] if out is not None and cell_eval_dir(out, c).is_dir() else [])
+        recs[c.name] = find_records(paths).records
+    return _keyed(recs)
+
+
+def _keyed(recs: dict[str, list]) -> dict[str, dict[str, dict]]:
+    from stare_kernel.ledger import labels_by_difference, pool_key
+
+    # The method (and its parameters, where every cell of a method has the same) tells the cells apart: the
+    # rest of the identity, the recipe included, is what an evaluation key must share to be paired.
+    params: dict = {}
+    for rs in recs.values():
+        for r in rs:
+            params.setdefault(r.identity.get("method"), set()).add(json.dumps(r.identity.get("method_params")))
+    drop = ("method",) + (("method_params",) if all(len(v) <= 1 for v in params.values()) else ())
+
+    def eval_identity(r) -> dict:
+        return {**r.identity, **{f: None for f in drop}}
+
+    distinct = {pool_key(eval_identity(r)): eval_identity(r) for rs in recs.values() for r in rs}
+    names: dict[str, str] = {}
+    by_head: dict[str, list[str]] = {}
+    for k, ident in distinct.items():
+        head = f"{ident['benchmark']} n={ident['n']} step={'?' if ident['step'] is None else ident['step']}"
+        by_head.setdefault(head, []).append(k)
+    for head, keys in by_head.items():
+        tags = labels_by_difference([distinct[k] for k in keys])
+        for k, tag in zip(keys, tags):
+            names[k] = head + (f" [{tag}]" if tag else "")
+    out: dict[str, dict[str, dict]] = {}
+    for cell, rs in recs.items():
+        mine: dict[str, dict] = {}
+        for r in sorted(rs, key=lambda r: r.written):  # a seed evaluated twice: the later
+            mine[names[pool_key(eval_identity(r))]] = {k: v for k, v in r.metrics.items()
+                                                       if k.startswith(("avg@", "pass@", "maj@"))}
+        out[cell] = mine
+    return out
+
+
+def _by_key(per_cell: list[dict[str, dict]]) -> dict[str, list[dict]]:
     per: dict[str, list[dict]] = {}
-    for run in runs:
-        for key, metrics in _run_evaluations(run).items():
+    for ev in per_cell:
+        for key, metrics in ev.items():
             per.setdefault(key, []).append(metrics)
+    return per
+
+
+def eval_summary(runs: list[Path]) -> dict:
+    """Evaluation metrics of a method's runs (seeds), per evaluation key (`cell_evaluations`): each metric's
+    mean, std and 95% interval over seeds (all percentages)."""
+    from benchmarks.evaluation.metrics import PERCENT
+    from stare_kernel.reader import find_records
+
+    keyed = _keyed({str(r): find_records([r]).records for r in runs})
+    per = _by_key(list(keyed.values()))
     return {k: seeds_summary(per[k], within=PERCENT) for k in sorted(per, key=_eval_order)}
 
 
-def run_evaluation_results(run: Path):
-    """Every evaluation recorded under run/eval, oldest setting first within a benchmark folder: (step, the
-    benchmark folder, its results under the grader of its latest results.json); step is the training step
-    of the `step-N` folder it lies in (an int), "?" for one outside any."""
-    from benchmarks.evaluation.evaluate import latest_grader_results
-
-    for latest in sorted((run / "eval").rglob("results.json")):
-        step = next((int(x.name.split("-")[1]) for x in latest.parents if x.name.startswith("step-")), "?")
-        for res in latest_grader_results(latest.parent):
-            yield step, latest.parent, res
-
-
-def _run_evaluations(run: Path) -> dict[str, dict]:
-    """One run's evaluation metrics (avg@, pass@, maj@) by key '<bench> n=<N> step=<S>': one entry per key
-    (the newest, should settings differ only in limit)."""
-    mine: dict[str, dict] = {}
-    for step, _, res in run_evaluation_results(run):
-        key = f"{res['benchmark']} n={res['metrics']['n']} step={step}"
-        mine[key] = {k: v for k, v in res["metrics"].items() if k.startswith(("avg@", "pass@", "maj@"))}
-    return mine
-
-
 def _eval_order(key: str) -> tuple:
-    bench, n, step = key.split()
-    return bench, int(n[2:]), int(step[5:]) if step[5:].isdigit() else 1 << 30
+    bench, n, step = key.split()[:3]
+    return bench, int(n[2:]), int(step[5:]) if step[5:].isdigit() else 1 << 30, key
 
 
 def paired_differences(method: dict[int, dict[str, dict]], baseline: dict[int, dict[str, dict]]) -> dict:
@@ -865,6 +918,11 @@ def report_markdown(summary: dict) -> str:
     methods = summary["methods"]
     keys = ("entropy_start", "entropy_end", "entropy_2nd_half_mean", "slope_2nd_half_per_100", "train_reward_last",
             "len_end", "reflection_rate_end")
+    quiet = {m: d["never_acted"] for m, d in methods.items() if d.get("never_acted")}
+    if quiet:
+        lines += ["**The method never acted** (these runs trained as the baseline did): " + "; ".join(
+            f"{m} seed{'s' if len(v) > 1 else ''} {', '.join(map(str, v))}: {next(iter(v.values()))}"
+            for m, v in quiet.items()), ""]
     lines += ["| method | n | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
     for m, d in methods.items():
         o = d["over_seeds"]

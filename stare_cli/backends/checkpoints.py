@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 from stare_cli.core.config import Recipe
-from stare_cli.core.errors import StareError
+from stare_kernel.errors import StareError
 from stare_cli.core.runs import (STATE as RUN_STATE, checkpoint_steps, fsync_dir, fsync_tree, save_pretrained_readable,
                                   write_manifest)
 

@@ -55,7 +55,7 @@ from benchmarks.grading.graders import Grader
 from stare_cli.backends.checkpoints import restore_trainer_state, save_checkpoint
 from stare_cli.backends.forward import pack, token_logprobs_entropy
 from stare_cli.core.config import Recipe
-from stare_cli.core.errors import StareError, install_hint
+from stare_kernel.errors import StareError, install_hint
 from stare_cli.core.card import write_card
 from stare_cli.core.resume import ResumePlan, finished_note, no_checkpoint_error, set_aside
 from stare_cli.core.runs import (append_jsonl, atomic_write_text, clean_stale_temporaries, hold_run_lock, new_run_dir,
@@ -537,7 +537,7 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume: Optional[ResumePla
                 t0 = time.perf_counter()
                 rollout.sync(policy.model)
                 metrics.update(_evaluate(rollout.engine, eval_grader, cfg, policy.tok, use_chat, pos.step,
-                                         run.run_dir, tools))
+                                         run.run_dir, tools, lr=metrics.get("lr")))
                 t_eval = time.perf_counter() - t0
                 metrics["time/eval"] = t_eval
                 log.note(f"step {pos.step}/{O.total_steps}: " + _eval_summary(metrics))
@@ -965,15 +965,23 @@ def finish_summary(run_dir: Path, cfg: Recipe) -> list[str]:
     return out
 
 
-def _evaluate(engine, eval_grader, cfg: Recipe, tok, use_chat, step: int, run_dir: Path, tools=None) -> dict:
+def _evaluate(engine, eval_grader, cfg: Recipe, tok, use_chat, step: int, run_dir: Path, tools=None,
+              lr: Optional[float] = None) -> dict:
     """Evaluate the live model on the recipe's benchmarks through the training rollout path (the same
     engine, tools and stop rules) and each benchmark's own protocol where the recipe leaves it open
-    (n, temperature, top_p); results land in run_dir/eval/step-N/<bench>/ (results.json,
-    samples.jsonl) and the metrics row gets eval/<bench>/acc (avg@n as a fraction) and eval/<bench>/len."""
+    (n, temperature, top_p); results land in run_dir/eval/step-N/<bench>/ (the ledger's record,
+    results.json, samples.jsonl; the identity names the run's method, recipe, step and `lr`, the learning
+    rate of the step just trained) and the metrics row gets eval/<bench>/acc (avg@n as a fraction) and
+    eval/<bench>/len."""
+    import yaml
+
     from benchmarks.evaluation.evaluate import EvalSettings, evaluate_benchmark
     from benchmarks.data.registry import check_benchmark
+    from stare_kernel.ledger import run_fields
 
     E = cfg.eval
+    run = {"dir": str(run_dir), "train_seed": cfg.optim.seed, "step": step, "lr": lr,
+           **run_fields(yaml.safe_load((run_dir / "config.yaml").read_text()))}
     out = {}
     for bench in E.benchmarks:
         spec = check_benchmark(bench)
@@ -984,7 +992,7 @@ def _evaluate(engine, eval_grader, cfg: Recipe, tok, use_chat, step: int, run_di
                          engine=engine.name, limit=E.limit)
         res = evaluate_benchmark(engine, tok, s, run_dir / "eval" / f"step-{step:06d}" / dir_name(bench),
                                  eval_grader, use_chat_template=use_chat, tools=tools,
-                                 reflection_words=cfg.logging.reflection_words)
+                                 reflection_words=cfg.logging.reflection_words, run=run)
         m = res["metrics"]
         out[f"eval/{bench}/acc"] = m[f"avg@{m['n']}"] / 100
         out[f"eval/{bench}/len"] = m["len/mean"]

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from stare_cli.core.errors import StareError
+from stare_kernel.errors import StareError
 from stare_cli.core.runs import atomic_write_text, file_sha256, is_verl_checkpoint
 
 TRAINER_FILES = {"trainer.pt", "state.json", "manifest.json"}

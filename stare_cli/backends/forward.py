@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from stare_cli.core.errors import StareError
+from stare_kernel.errors import StareError
 
 # The fixed cost of one more forward/backward in `length_buckets`, in padded-token equivalents.
 # Measured on the CPU toy (one thread): see benchmarks/perf/length_buckets.py.

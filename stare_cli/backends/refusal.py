@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from stare_cli.core.errors import StareError
+from stare_kernel.errors import StareError
 
 
 def raise_first(name: str, refusals: Iterable[tuple[str, str]]) -> None:

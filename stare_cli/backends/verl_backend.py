@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from stare_cli.core.config import Recipe
-from stare_cli.core.errors import StareError, install_hint
+from stare_kernel.errors import StareError, install_hint
 from benchmarks.data.registry import dir_name
 
 if TYPE_CHECKING:
@@ -552,7 +552,7 @@ def prepare_data(cfg: Recipe, out_dir: Path, limit: Optional[int] = None) -> lis
 
 def resume_point(run_dir: Path) -> tuple[int, Optional[Path]]:
     """(last checkpointed step, the data folder the run used) of a verl run directory."""
-    from stare_cli.core.errors import StareError
+    from stare_kernel.errors import StareError
 
     if not (run_dir / "meta.json").exists():
         # verl's checkpoint loaders unpickle: only run directories stare created (and that you trust)
@@ -583,7 +583,7 @@ def run(cfg: Recipe, out_root: Path, dry_run: bool = False, emit_script: Optiona
     import subprocess
     import sys
 
-    from stare_cli.core.errors import StareError
+    from stare_kernel.errors import StareError
     from stare_cli.core.runs import new_run_dir, write_run_meta
 
     check(cfg)

@@ -22,7 +22,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from stare_cli.core.config import Recipe
-from stare_cli.core.errors import StareError, UsageError, did_you_mean
+from stare_kernel.errors import StareError, UsageError, did_you_mean
 
 RECIPE_SUFFIX = ".yaml"
 

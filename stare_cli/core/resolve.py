@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 from baselines.registry import MethodSpec, UnknownMethodError, lookup_method
 from stare_cli.core.config import Recipe
-from stare_cli.core.errors import StareError
+from stare_kernel.errors import StareError
 from stare_cli.core.recipes import compose_recipe
 
 

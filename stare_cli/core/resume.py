@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stare_cli.core.config import Recipe, dotted_items
-from stare_cli.core.errors import StareError
+from stare_kernel.errors import StareError
 from stare_cli.core.runs import make_unique_dir
 
 FIXED_ON_RESUME = ("name", "model.", "data.", "method.name", "optim.seed", "backend.name")

@@ -15,7 +15,7 @@ import sys
 import threading
 from typing import Callable, Optional
 
-from stare_cli.core.errors import Interrupted
+from stare_kernel.errors import Interrupted
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
