@@ -859,6 +859,14 @@ def _run(argv: Optional[list[str]]) -> int:
     except Exception as e:  # an unexpected failure: still one line, the traceback on request
         if os.environ.get("STARE_DEBUG"):
             traceback.print_exc()
+        from stare_kernel.io import is_disk_full
+
+        if is_disk_full(e):  # a writer that does not name its file: say what happened and what to do
+            where = getattr(e, "filename", None)
+            print(f"error: no space left on device{f' while writing {where}' if where else ''}: files stare wrote "
+                  "before are intact (hint: free space, then run the same command again: runs resume from their last "
+                  "checkpoint, evaluations from the samples on disk)", file=sys.stderr)
+            return 1
         print(f"error: {type(e).__name__}: {e} (hint: STARE_DEBUG=1 shows the traceback)", file=sys.stderr)
         return 1
 

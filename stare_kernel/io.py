@@ -43,10 +43,27 @@ _UMASK = os.umask(0)
 os.umask(_UMASK)
 
 
+def is_disk_full(e: BaseException) -> bool:
+    """A write that failed for want of space (or quota), as an OSError or as a library's own error text."""
+    import errno
+
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return "No space left on device" in str(e) or "os error 28" in str(e)
+
+
+def disk_full(path: Path, kept: str) -> StareError:
+    """The one error for a full disk: the file that could not be written, what is intact, what to do."""
+    return StareError(f"{path}: no space left on device while writing it ({kept})",
+                      hint="free space on that filesystem, then run the same command again (a run resumes from its "
+                           "last checkpoint, an evaluation from the samples on disk)")
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Write via a temp file in the same directory and rename: readers never see half a file. The
     file gets the mode a plain `open` would give it (0666 less the umask), not mkstemp's 0600:
-    colleagues on shared storage read results as they read anything else of the user's."""
+    colleagues on shared storage read results as they read anything else of the user's. A full disk is
+    a StareError naming the file (`disk_full`); the file is then as it was."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
@@ -56,8 +73,10 @@ def atomic_write_text(path: Path, text: str) -> None:
             os.fchmod(f.fileno(), 0o666 & ~_UMASK)
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        if is_disk_full(e):
+            raise disk_full(path, "it is as it was before: nothing was lost") from None
         raise
 
 
@@ -125,9 +144,14 @@ def environment_summary() -> dict[str, Any]:
 
 
 def append_jsonl(path: Path, row: dict[str, Any]) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(row) + "\n")
-        f.flush()
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+    except OSError as e:
+        if is_disk_full(e):
+            raise disk_full(path, "its earlier lines are intact; a torn last line is ignored and redone") from None
+        raise
 
 
 def read_jsonl(path: Path, strict: bool = False, torn_last_ok: bool = True,

@@ -78,3 +78,29 @@ def pytest_collection_modifyitems(config, items):
         group = _ONE_AT_A_TIME.get(item.path.name)
         if group:
             item.add_marker(pytest.mark.xdist_group(group))
+
+
+# Memory per test (issue 68: no test process above 6 GB resident). After each test, its process's peak
+# resident set so far (ru_maxrss, never decreasing) and the largest peak of the processes it waited for
+# (subprocesses: `stare` CLIs, grader workers) go to $STARE_TEST_PEAKS/<worker>.jsonl when that variable
+# names a folder; benchmarks/perf/suite_memory.py runs the suite with it and prints the table.
+def pytest_runtest_logfinish(nodeid, location):
+    folder = os.environ.get("STARE_TEST_PEAKS")
+    if not folder:
+        return
+    import json
+    import resource
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    kib = 1024  # ru_maxrss is in KiB on Linux
+    row = {"test": nodeid, "pid": os.getpid(), "worker": worker,
+           "self_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * kib / 2**30,
+           "children_peak_gib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * kib / 2**30}
+    try:
+        with open(f"/proc/{os.getpid()}/statm") as f:
+            row["rss_now_gib"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+    except OSError:
+        pass
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    with open(Path(folder) / f"{worker}.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")

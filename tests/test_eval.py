@@ -212,7 +212,7 @@ def test_eval_grader_is_recorded_and_a_new_grader_regrades_without_generating(cl
     assert cli(*args)[0] == 0
     f = tmp_path / "ev" / "math500" / "samples.jsonl"
     first = [json.loads(x) for x in f.read_text().splitlines()]
-    assert {r["grader"] for r in first} == {"math-verify@7"}
+    assert {r["grader"] for r in first} == {"math-verify@8"}
     code, out, err = cli(*args, "--grader", "stare-official")
     assert code == 0, err
     again = [json.loads(x) for x in f.read_text().splitlines()]
@@ -482,7 +482,7 @@ def test_regrade_grades_saved_samples_without_generating(cli, tmp_path, tiny_mod
     assert json.loads(text)["math500"]["n"] == 2
     after = [json.loads(x) for x in (out / "math500" / "samples.jsonl").read_text().splitlines()]
     assert [r["response"] for r in after] == [json.loads(x)["response"] for x in before]
-    assert all(set(r["verdicts"]) == {"math-verify@7", "stare-official-3way@1"} for r in after)  # both kept
+    assert all(set(r["verdicts"]) == {"math-verify@8", "stare-official-3way@1"} for r in after)  # both kept
     names = sorted(p.name.split("-", 1)[1] for p in (out / "math500" / "results").glob("*.json"))
     assert names == ["math-verify.json", "stare-official-3way.json"]
     code, _, err = cli("eval", "--regrade", str(tmp_path / "nothing"), "--grader", "math-verify")
@@ -680,13 +680,13 @@ def test_grade_audit_puts_graders_side_by_side(cli, tmp_path, tiny_model):
     code, text, err = cli("grade", "audit", str(out), "--workers", "0", "--json")
     assert code == 0, err
     res = json.loads(text)
-    assert res["graders"] == ["math-verify@7", "math-verify-plain@1", "stare-official-3way@1", "mathruler@1"]
+    assert res["graders"] == ["math-verify@8", "math-verify-plain@1", "stare-official-3way@1", "mathruler@1"]
     (m,) = [v for v in res["benchmarks"].values() if v["benchmark"] == "math500"]
     assert m["samples"] == len(rows) and 0 < m["disagree"] < 1
-    assert m["pairwise_agreement"]["math-verify@7 vs mathruler@1"] < 1
+    assert m["pairwise_agreement"]["math-verify@8 vs mathruler@1"] < 1
     dis = [json.loads(x) for x in (out / "audit" / "disagreements.jsonl").read_text().splitlines()]
     first = next(d for d in dis if d["gold"] == "1024")
-    assert first["verdicts"]["math-verify@7"]["correct"] and not first["verdicts"]["mathruler@1"]["correct"]
+    assert first["verdicts"]["math-verify@8"]["correct"] and not first["verdicts"]["mathruler@1"]["correct"]
     assert not any(d["gold"] == "7" for d in dis)
     with open(samples, "a") as f:  # a last line cut mid-write is named, never skipped silently (issue 47)
         f.write('{"key": "abc", "idx": 3, "sam')

@@ -14,13 +14,15 @@ import time
 from conftest import REPO
 from test_embedded import FAST
 
-# The first lines come once Python has started and imported torch; the issue asks for them within
-# 10 seconds. Measured here: 5.1 s while a two-cell sweep held both cores.
-FIRST_LINES_S = 10.0
+# The first lines come once Python has started and imported torch: issue 44 asks for them within 10 seconds.
+# How long that takes is measured by benchmarks/perf/first_lines.py, not asserted here (issue 68: a
+# wall-clock bound failed at 13.3 s on a busy machine); the test asserts the order of events.
 
 
-def test_a_piped_run_says_what_it_does_within_10_seconds(tmp_path, quick_toy):
-    """Before: `stare train` printed nothing at all for about 4 minutes when piped to a file."""
+def test_a_piped_run_says_what_it_does_before_the_model_loads(tmp_path, quick_toy):
+    """Before: `stare train` printed nothing at all for about 4 minutes when piped to a file. The first lines
+    (the run directory, what loads) come before the model is loaded and before any step: the order of events
+    (their time: benchmarks/perf/first_lines.py)."""
     args = [sys.executable, "-m", "stare_cli", "train", "--recipe", "tiny/arith", "--method", "stare-o1",
             "--out", str(tmp_path / "runs"), "-o", f"model.path={quick_toy}"]
     for o in [*FAST, "optim.total_steps=1"]:
@@ -37,11 +39,14 @@ def test_a_piped_run_says_what_it_does_within_10_seconds(tmp_path, quick_toy):
     def first(phrase: str) -> float:
         return next(t for t, x in seen if phrase in x)
 
-    assert first("run directory") < FIRST_LINES_S and first("loading") < FIRST_LINES_S, seen[:4]
-    # then, in order: the model, each phase of the step, the closing summary
-    order = [first(p) for p in ("run directory", "model loaded in", "step 1/1: rollout", "step 1/1: training on",
-                                "done: 1 steps", "card: ", "plot: ")]
-    assert order == sorted(order), seen
+    def index(phrase: str) -> int:
+        return next(i for i, (_, x) in enumerate(seen) if phrase in x)
+
+    # in order: the run directory and what loads, the model loaded, each phase of the step, the closing summary
+    order = [index(p) for p in ("run directory", "loading", "model loaded in", "step 1/1: rollout",
+                                "step 1/1: training on", "done: 1 steps", "card: ", "plot: ")]
+    assert order == sorted(order) and len(set(order)) == len(order), seen
+    assert index("loading") < 3, seen[:4]  # nothing slow comes first: the run directory, then what loads
 
 
 def test_a_mistyped_model_is_one_line_with_a_suggestion_and_leaves_nothing(cli, tmp_path, monkeypatch):
@@ -52,12 +57,17 @@ def test_a_mistyped_model_is_one_line_with_a_suggestion_and_leaves_nothing(cli, 
                          "error: --model smollm2: not a local folder, a run directory or a short name"),
                         (("train", "--recipe", "tiny/arith", "--method", "grpo-ds", "-o", "model.path=smollm2"),
                          "error: model.path smollm2: not a local folder, a run directory or a short name")]:
-        t0 = time.monotonic()
-        code, out, err = cli(*args)
-        took = time.monotonic() - t0
+        import socket
+
+        def no_network(*_a, **_k):  # the name has no org/ part: no hub is asked (before: 66 s of retries)
+            raise AssertionError("a network connection was attempted")
+
+        with monkeypatch.context() as m:
+            m.setattr(socket.socket, "connect", no_network)
+            m.setattr(socket, "create_connection", no_network)
+            code, out, err = cli(*args)
         assert code == 1 and err.startswith(start) and len(err.strip().splitlines()) == 1, err
         assert "did you mean 'smollm2-135m'" in err and "stare model list" in err
-        assert took < 10, took  # no hub: the name has no org/ part
     assert sorted(os.listdir(tmp_path)) == []  # no evals/smollm2/, no runs/<run>/
 
 

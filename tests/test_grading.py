@@ -19,7 +19,11 @@ CASES = [json.loads(x) for x in (REPO / "tests" / "fixtures" / "grading_cases.js
 # numbers, and an unclosed final box, which it reads as a number.
 PLAIN_IS_WRONG = {"The value is \\boxed{0.0000005}", "Therefore \\boxed{204",
                   "the answer is 3 and the final count is \\boxed{17",
-                  "So the final answer is negative 4."}  # issue 46: plain math-verify reads it as 4
+                  "So the final answer is negative 4.",  # issue 46: plain math-verify reads it as 4
+                  # issue 68: plain math-verify reads "6.4 million" as 6.4, and takes 64 from a response cut
+                  # inside its <think> (it was still checking)
+                  "The city grows to 6.4 million.",
+                  "<think>\nLet me compute 8 times 8. Maybe the answer is 64? Let me double check..."}
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c['class']}:{c['response'][:30]}" for c in CASES])
@@ -33,7 +37,7 @@ def test_the_pool_and_the_cache_agree_with_grading_in_process():
         pooled = g.grade_many([c["response"] for c in CASES], [c["gold"] for c in CASES])
         again = g.grade_many([c["response"] for c in CASES], [c["gold"] for c in CASES])  # from the cache
     assert [v.correct for v in pooled] == [v.correct for v in again] == [c["correct"] for c in CASES]
-    assert all(v.grader == "math-verify@7" for v in pooled)
+    assert all(v.grader == "math-verify@8" for v in pooled)
 
 
 def test_ours_never_loses_a_case_plain_math_verify_gets_right():

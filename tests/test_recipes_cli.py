@@ -117,6 +117,7 @@ BROKEN_CASES = {
     "top_p_above_one.yaml": ("top_p_above_one.yaml:3:", "rollout.top_p: Input should be less than or equal to 1"),
     "unknown_method.yaml": ("unknown_method.yaml:3:", "unknown method 'stare-o3' (did you mean 'stare-o1'?)"),
     "missing_include.yaml": ("missing_include.yaml:1:", "included file 'nope.yaml' not found"),
+    "include_folder.yaml": ("include_folder.yaml:1:", "included path '.' is a folder, not a recipe file"),  # issue 68
     "mini_above_train.yaml": ("mini_above_train.yaml:", "optim.mini_batch_size (32) must be <= optim.train_batch_size (16)"),
     "bad_yaml.yaml": ("bad_yaml.yaml:3:", "not valid YAML"),
     "not_a_mapping.yaml": ("not_a_mapping.yaml:", "a recipe must be a mapping of keys, not list"),

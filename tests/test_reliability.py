@@ -76,6 +76,9 @@ def test_truncated_latest_falls_back_to_the_previous_checkpoint_with_a_warning(c
     assert code == 0, err
     assert f"warning: skipping checkpoint: {weights}" in err and "truncated" in err
     assert "resuming from step-000002" in err
+    # issue 68, reliability 6: the older checkpoint taken is not "newer and intact"
+    assert "newer and intact" not in err
+    assert "checkpoints/latest names step-000003, which is damaged (skipped above): resuming from step-000002" in err
     assert _steps(run) == [1, 2, 3, 4]  # step 3 redone, not duplicated
     # redone from step 2's state, the run equals an uninterrupted 4-step run (total_steps only sets the end)
     assert _rows_without_time(run / "metrics.jsonl") == _rows_without_time(ref / "metrics.jsonl")
@@ -648,3 +651,54 @@ def test_resuming_a_finished_run_says_so(cli, tmp_path, quick_toy):
     code, out, err = cli("train", "--resume", str(run), "-o", "optim.total_steps=1")
     assert code == 0 and "its checkpoint is at step 2, past optim.total_steps (1)" in err, err
     assert "optim.total_steps=N, N > 2" in err
+
+
+# ------------------------------------------------------------------------- issue 68: a full disk
+def _no_space(*_a, **_k):
+    raise OSError(28, "No space left on device")
+
+
+def test_a_full_disk_in_training_names_the_checkpoint_and_keeps_the_earlier_ones(cli, tmp_path, quick_toy, monkeypatch):
+    """Issue 68, reliability 3: a full disk printed `error: OSError: [Errno 28] No space left on device`,
+    naming no file and saying nothing of what to do."""
+    import torch
+
+    calls = {"n": 0}
+    real_save = torch.save
+
+    def save_twice_then_full(*a, **k):  # the first checkpoint is written, the second finds the disk full
+        calls["n"] += 1
+        if calls["n"] > 1:
+            _no_space()
+        return real_save(*a, **k)
+
+    monkeypatch.setattr(torch, "save", save_twice_then_full)
+    code, _, err = cli("train", "--recipe", "tiny/arith", "--method", "grpo", "--out", str(tmp_path / "runs"),
+                       "-o", f"model.path={quick_toy}", "-o", "optim.total_steps=2", "-o", "checkpoint.every=1",
+                       "-o", "eval.benchmarks=[]", "-o", "rollout.n=4", "-o", "optim.train_batch_size=2",
+                       "-o", "rollout.gen_batch_size=2", "-o", "optim.mini_batch_size=2", "-o", "optim.micro_batch_size=8",
+                       "-o", "rollout.max_response_tokens=24", "-o", "method.dynamic_sampling=false")
+    assert code == 1
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert "step-000002: no space left on device while writing it" in line and "earlier checkpoints are intact" in line
+    assert "free space" in line and "OSError" not in line
+    (run,) = (tmp_path / "runs").iterdir()
+    assert [p.name for p in sorted((run / "checkpoints").glob("step-*"))] == ["step-000001"]
+    assert not list((run / "checkpoints").glob(".tmp-*"))  # the half-written copy is gone
+
+
+def test_a_full_disk_in_an_evaluation_names_the_file_and_loses_nothing(cli, tmp_path, quick_toy, monkeypatch):
+    out = tmp_path / "ev"
+    args = ["eval", "--bench", "toy:arith", "--model", str(quick_toy), "--limit", "8", "-n", "1", "--out", str(out),
+            "--engine", "hf", "--workers", "0"]
+    assert cli(*args)[0] == 0
+    before = (out / "toy-arith" / "results.json").read_text()
+    import stare_kernel.io as kio
+
+    monkeypatch.setattr(kio.os, "fsync", _no_space)
+    code, _, err = cli(*args[:7], "2", *args[8:])  # -n 2: a new setting, whose results cannot be written
+    assert code == 1
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert "no space left on device while writing it" in line and str(out / "toy-arith") in line, line
+    assert "nothing was lost" in line
+    assert (out / "toy-arith" / "results.json").read_text() == before

@@ -70,7 +70,7 @@ def test_sweep_killed_midway_finishes_like_an_uninterrupted_one(cli, tmp_path, q
     for name, cell in _cells(ref).items():
         sha = json.loads((Path(cell["run_dir"]) / "meta.json").read_text())["git_sha"]
         assert (f"| {name} | done | 4 of 4 | cells/{name}/{Path(cell['run_dir']).name} | start 0 {sha[:7]}"
-                f"{'-dirty' if sha.endswith('-dirty') else ''} | math-verify@7; math-verify@7 |") in prov, name
+                f"{'-dirty' if sha.endswith('-dirty') else ''} | math-verify@8; math-verify@8 |") in prov, name
 
     # the same sweep in a process of its own, killed with SIGKILL once a cell has checkpointed twice
     b = tmp_path / "b"

@@ -168,6 +168,24 @@ def test_hermes_calls_are_parsed_and_malformed_ones_named():
             assert "code_interpreter" in str(e)
 
 
+def test_a_hostile_call_nested_a_thousand_levels_deep_is_a_malformed_call_not_a_crash():
+    """Issue 68, reliability 1: JSON nested ~1,000 levels raised RecursionError out of find_call (and so out of
+    multiturn and the vLLM path's `closed()`), which catch InvalidCall: one response stopped a run."""
+    from benchmarks.generation.tools import InvalidCall
+
+    deep = '<tool_call>{"name": "code_interpreter", "arguments": ' + '{"a": ' * 5000 + "1" + "}" * 5000 + "}</tool_call>"
+    try:
+        find_call("Let me compute.\n" + deep, "hermes")
+        raise AssertionError("not refused")
+    except InvalidCall as e:
+        assert "code_interpreter" in str(e)
+    # a rollout answers it as a malformed call and goes on
+    turn, _ = _scripted([(deep, False), ("The answer is 42.", True)])
+    (tr,) = multiturn([enc("Q\n")], 200_000, ToolSpec(format="hermes", limits=Limits(cpu_s=2, wall_s=5)), turn, enc,
+                      dec, seed=0, tokenizer=_qwen_like_tokenizer())
+    assert (tr.calls, tr.errors, tr.finished) == (1, 1, True)
+
+
 def test_hermes_rollout_appends_the_chat_templates_tool_turn_and_answers_bad_calls_without_running():
     tok = _qwen_like_tokenizer()
     ok = '<tool_call>{"name": "code_interpreter", "arguments": {"code": "print(6*7)"}}</tool_call>'

@@ -34,9 +34,11 @@ def toy():
     return ensure_toy_model("arith")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="class")
 def engine(toy):
-    return VLLMEngine(str(toy), dtype="float32", max_model_len=128, colocate=True, seed=0)
+    e = VLLMEngine(str(toy), dtype="float32", max_model_len=128, colocate=True, seed=0)
+    yield e
+    e.close()
 
 
 def _hf(path):
@@ -54,66 +56,69 @@ def _model_logprobs(model, prompt_ids, resp, temperature=1.0):
     return logits.log_softmax(-1), logits.log_softmax(-1).gather(1, torch.tensor(resp)[:, None]).squeeze(1)
 
 
-def test_n_max_tokens_and_eos_are_honoured(engine):
-    groups = engine.generate(PROMPTS, SamplingParams(n=3, temperature=1.0, top_p=1.0, max_new_tokens=30, seed=1))
-    eos = engine.eos_ids()
-    assert len(groups) == len(PROMPTS) and all(len(g) == 3 for g in groups)
-    for g in groups:
-        for s in g:
-            assert len(s.response_ids) <= 30 + 1  # +1: an EOS vLLM omits is appended
-            assert s.finished == (s.response_ids[-1] in eos)
-            assert s.finished or len(s.response_ids) == 30
-    assert any(s.finished for g in groups for s in g) and any(not s.finished for g in groups for s in g)
+class TestTheToysEngine:
+    """The tests that share one engine of the toy (`engine`): it is freed after the last of them."""
+
+    def test_n_max_tokens_and_eos_are_honoured(self, engine):
+        groups = engine.generate(PROMPTS, SamplingParams(n=3, temperature=1.0, top_p=1.0, max_new_tokens=30, seed=1))
+        eos = engine.eos_ids()
+        assert len(groups) == len(PROMPTS) and all(len(g) == 3 for g in groups)
+        for g in groups:
+            for s in g:
+                assert len(s.response_ids) <= 30 + 1  # +1: an EOS vLLM omits is appended
+                assert s.finished == (s.response_ids[-1] in eos)
+                assert s.finished or len(s.response_ids) == 30
+        assert any(s.finished for g in groups for s in g) and any(not s.finished for g in groups for s in g)
 
 
-def test_greedy_tokens_equal_the_hf_engines(engine, toy):
-    model, tok = _hf(toy)
-    sp = SamplingParams(n=1, temperature=0.0, max_new_tokens=40)
-    ours = HFEngine(model, tok).generate(PROMPTS, sp)
-    theirs = engine.generate(PROMPTS, sp)
-    assert [g[0].response_ids for g in ours] == [g[0].response_ids for g in theirs]
+    def test_greedy_tokens_equal_the_hf_engines(self, engine, toy):
+        model, tok = _hf(toy)
+        sp = SamplingParams(n=1, temperature=0.0, max_new_tokens=40)
+        ours = HFEngine(model, tok).generate(PROMPTS, sp)
+        theirs = engine.generate(PROMPTS, sp)
+        assert [g[0].response_ids for g in ours] == [g[0].response_ids for g in theirs]
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.6])
-def test_returned_logprobs_are_the_temperature_scaled_model(engine, toy, temperature):
-    model, _ = _hf(toy)
-    groups = engine.generate(PROMPTS[:4], SamplingParams(n=2, temperature=temperature, max_new_tokens=24, seed=3))
-    for g in groups:
-        for s in g:
-            _, ref = _model_logprobs(model, s.prompt_ids, s.response_ids, temperature)
-            got = torch.tensor(s.logprobs)
-            ok = torch.isfinite(got)
-            torch.testing.assert_close(got[ok], ref[ok], atol=TOL, rtol=0)
+    @pytest.mark.parametrize("temperature", [1.0, 0.6])
+    def test_returned_logprobs_are_the_temperature_scaled_model(self, engine, toy, temperature):
+        model, _ = _hf(toy)
+        groups = engine.generate(PROMPTS[:4], SamplingParams(n=2, temperature=temperature, max_new_tokens=24, seed=3))
+        for g in groups:
+            for s in g:
+                _, ref = _model_logprobs(model, s.prompt_ids, s.response_ids, temperature)
+                got = torch.tensor(s.logprobs)
+                ok = torch.isfinite(got)
+                torch.testing.assert_close(got[ok], ref[ok], atol=TOL, rtol=0)
 
 
-def test_top_p_keeps_every_sampled_token_inside_the_nucleus(engine, toy):
-    model, _ = _hf(toy)
-    top_p = 0.7
-    groups = engine.generate(PROMPTS, SamplingParams(n=4, temperature=1.0, top_p=top_p, max_new_tokens=24, seed=4))
-    checked = 0
-    for g in groups:
-        for s in g:
-            logp, _ = _model_logprobs(model, s.prompt_ids, s.response_ids)
-            p = logp.exp()
-            for row, t in zip(p, s.response_ids):
-                above = float(row[row > row[t]].sum())  # mass of the tokens more likely than the sampled one
-                assert above < top_p + 1e-4, (above, t)
-                checked += 1
-    assert checked > 100
+    def test_top_p_keeps_every_sampled_token_inside_the_nucleus(self, engine, toy):
+        model, _ = _hf(toy)
+        top_p = 0.7
+        groups = engine.generate(PROMPTS, SamplingParams(n=4, temperature=1.0, top_p=top_p, max_new_tokens=24, seed=4))
+        checked = 0
+        for g in groups:
+            for s in g:
+                logp, _ = _model_logprobs(model, s.prompt_ids, s.response_ids)
+                p = logp.exp()
+                for row, t in zip(p, s.response_ids):
+                    above = float(row[row > row[t]].sum())  # mass of the tokens more likely than the sampled one
+                    assert above < top_p + 1e-4, (above, t)
+                    checked += 1
+        assert checked > 100
 
 
-def test_weights_pushed_into_vllm_are_the_ones_it_samples_from(engine, toy):
-    model, _ = _hf(toy)
-    other = {k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()}
-    other["lm_head.weight"] = other["model.embed_tokens.weight"]  # tied, as in the toy (and Qwen2.5's small models)
-    try:
-        engine.load_weights(other.items())
-        s = engine.generate(PROMPTS[:2], SamplingParams(n=2, temperature=1.0, max_new_tokens=16, seed=5))[0][0]
-        model.load_state_dict(other)
-        _, ref = _model_logprobs(model, s.prompt_ids, s.response_ids)
-        torch.testing.assert_close(torch.tensor(s.logprobs), ref, atol=TOL, rtol=0)
-    finally:
-        engine.load_weights(_hf(toy)[0].state_dict().items())
+    def test_weights_pushed_into_vllm_are_the_ones_it_samples_from(self, engine, toy):
+        model, _ = _hf(toy)
+        other = {k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()}
+        other["lm_head.weight"] = other["model.embed_tokens.weight"]  # tied, as in the toy (and Qwen2.5's small models)
+        try:
+            engine.load_weights(other.items())
+            s = engine.generate(PROMPTS[:2], SamplingParams(n=2, temperature=1.0, max_new_tokens=16, seed=5))[0][0]
+            model.load_state_dict(other)
+            _, ref = _model_logprobs(model, s.prompt_ids, s.response_ids)
+            torch.testing.assert_close(torch.tensor(s.logprobs), ref, atol=TOL, rtol=0)
+        finally:
+            engine.load_weights(_hf(toy)[0].state_dict().items())
 
 
 def test_stare_eval_with_the_vllm_engine(cli, tmp_path, toy):
@@ -184,68 +189,73 @@ def smollm2():
     return ensure_model("smollm2-135m")  # cached by `make test`'s real-model tests, else fetched and converted
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="class")
 def real_engine(smollm2):
-    return VLLMEngine(str(smollm2), dtype="float32", max_model_len=256, colocate=True, seed=0)
+    e = VLLMEngine(str(smollm2), dtype="float32", max_model_len=256, colocate=True, seed=0)
+    yield e
+    e.close()
 
 
-def test_the_real_model_through_vllm_greedy_is_the_hf_models_argmax(cli, tmp_path, smollm2, real_engine):
-    """SmolLM2-135M-Instruct through `stare eval --engine vllm` (its chat template, its EOS <|im_end|>),
-    then through the engine, fp32 greedy: every generated token is the HF model's argmax at that
-    position (teacher-forced), except where the HF model's two best tokens are within REAL_GAP nats."""
-    code, out, err = cli("eval", "--bench", "words:add-sub", "--model", "smollm2-135m", "--engine", "vllm",
-                         "--limit", "4", "-n", "1", "--temperature", "0", "--max-tokens", "48", "--dtype", "float32",
-                         "--out", str(tmp_path / "ev"), "--workers", "0", "--json")
-    assert code == 0, err[-2000:]
-    rows = [json.loads(x) for x in (tmp_path / "ev" / "words-add-sub" / "samples.jsonl").read_text().splitlines()]
-    res = json.loads((tmp_path / "ev" / "words-add-sub" / "results.json").read_text())
-    assert res["settings"]["engine"] == "vllm" and res["settings"]["model"] == str(smollm2) and len(rows) == 4
-    assert all("<|im_start|>assistant\n" in r["prompt"] and r["length"] > 0 for r in rows)
+class TestTheRealModelsEngine:
+    """The tests that share one engine of the real model (`real_engine`): it is freed after the last of them, before the server and training tests start engines of their own (issue 68: a test process held two real-model engines and reached 17 GB)."""
 
-    eng = real_engine
-    assert 2 in eng.eos_ids()  # <|im_end|>, from the converted config (the GGUF metadata)
-    groups = eng.generate([r["prompt"] for r in rows], SamplingParams(n=1, temperature=0.0, max_new_tokens=48))
-    assert [g[0].text for g in groups] == [r["response"] for r in rows]  # the CLI's samples are the engine's
-    model, _ = _hf(smollm2)
-    checked = ties = 0
-    for g in groups:
-        s = g[0]
-        logp, _ = _model_logprobs(model, s.prompt_ids, s.response_ids)
-        top2 = logp.topk(2, dim=-1)
-        for pos, t in enumerate(s.response_ids):
-            gap = float(top2.values[pos, 0] - top2.values[pos, 1])
-            if gap < REAL_GAP:
-                ties += 1
-                continue
-            assert t == int(top2.indices[pos, 0]), (s.text, pos, gap)
-            checked += 1
-    assert any(g[0].finished for g in groups) and checked > 20 and ties <= checked // 10
+    def test_the_real_model_through_vllm_greedy_is_the_hf_models_argmax(self, cli, tmp_path, smollm2, real_engine):
+        """SmolLM2-135M-Instruct through `stare eval --engine vllm` (its chat template, its EOS <|im_end|>),
+        then through the engine, fp32 greedy: every generated token is the HF model's argmax at that
+        position (teacher-forced), except where the HF model's two best tokens are within REAL_GAP nats."""
+        code, out, err = cli("eval", "--bench", "words:add-sub", "--model", "smollm2-135m", "--engine", "vllm",
+                             "--limit", "4", "-n", "1", "--temperature", "0", "--max-tokens", "48", "--dtype", "float32",
+                             "--out", str(tmp_path / "ev"), "--workers", "0", "--json")
+        assert code == 0, err[-2000:]
+        rows = [json.loads(x) for x in (tmp_path / "ev" / "words-add-sub" / "samples.jsonl").read_text().splitlines()]
+        res = json.loads((tmp_path / "ev" / "words-add-sub" / "results.json").read_text())
+        assert res["settings"]["engine"] == "vllm" and res["settings"]["model"] == str(smollm2) and len(rows) == 4
+        assert all("<|im_start|>assistant\n" in r["prompt"] and r["length"] > 0 for r in rows)
+
+        eng = real_engine
+        assert 2 in eng.eos_ids()  # <|im_end|>, from the converted config (the GGUF metadata)
+        groups = eng.generate([r["prompt"] for r in rows], SamplingParams(n=1, temperature=0.0, max_new_tokens=48))
+        assert [g[0].text for g in groups] == [r["response"] for r in rows]  # the CLI's samples are the engine's
+        model, _ = _hf(smollm2)
+        checked = ties = 0
+        for g in groups:
+            s = g[0]
+            logp, _ = _model_logprobs(model, s.prompt_ids, s.response_ids)
+            top2 = logp.topk(2, dim=-1)
+            for pos, t in enumerate(s.response_ids):
+                gap = float(top2.values[pos, 0] - top2.values[pos, 1])
+                if gap < REAL_GAP:
+                    ties += 1
+                    continue
+                assert t == int(top2.indices[pos, 0]), (s.text, pos, gap)
+                checked += 1
+        assert any(g[0].finished for g in groups) and checked > 20 and ties <= checked // 10
 
 
-def test_weights_pushed_into_vllm_reach_the_real_models_tied_lm_head(smollm2, real_engine):
-    """After a weight push, vLLM samples from the pushed weights, LM head included. SmolLM2 ties its LM
-    head to the embeddings; vLLM's CPU backend multiplies through a handle made at load time, which
-    the push did not renew before the fix (0.2 nats off, measured; now ~3e-5)."""
-    model, tok = _hf(smollm2)
-    original = {k: v.clone() for k, v in model.state_dict().items()}
-    prompts = [tok.apply_chat_template([{"role": "user", "content": f"What is {i} plus {i + 1}?"}], tokenize=False,
-                                       add_generation_prompt=True) for i in range(3)]
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "embed_tokens" in name:  # the embeddings, and through the tie the LM head
-                p.add_(0.02 * p.abs().mean() * torch.randn(p.shape, generator=g))
-    try:
-        real_engine.load_weights(model.state_dict().items())
-        groups = real_engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=16, seed=5))
-        for grp in groups:
-            for s in grp:
-                _, ref = _model_logprobs(model, s.prompt_ids, s.response_ids)
-                got = torch.tensor(s.logprobs)
-                ok = torch.isfinite(got)
-                torch.testing.assert_close(got[ok], ref[ok], atol=5e-4, rtol=0)  # measured max 3e-5 (fp32)
-    finally:
-        real_engine.load_weights(original.items())
+    def test_weights_pushed_into_vllm_reach_the_real_models_tied_lm_head(self, smollm2, real_engine):
+        """After a weight push, vLLM samples from the pushed weights, LM head included. SmolLM2 ties its LM
+        head to the embeddings; vLLM's CPU backend multiplies through a handle made at load time, which
+        the push did not renew before the fix (0.2 nats off, measured; now ~3e-5)."""
+        model, tok = _hf(smollm2)
+        original = {k: v.clone() for k, v in model.state_dict().items()}
+        prompts = [tok.apply_chat_template([{"role": "user", "content": f"What is {i} plus {i + 1}?"}], tokenize=False,
+                                           add_generation_prompt=True) for i in range(3)]
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "embed_tokens" in name:  # the embeddings, and through the tie the LM head
+                    p.add_(0.02 * p.abs().mean() * torch.randn(p.shape, generator=g))
+        try:
+            real_engine.load_weights(model.state_dict().items())
+            groups = real_engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=16, seed=5))
+            for grp in groups:
+                for s in grp:
+                    _, ref = _model_logprobs(model, s.prompt_ids, s.response_ids)
+                    got = torch.tensor(s.logprobs)
+                    ok = torch.isfinite(got)
+                    torch.testing.assert_close(got[ok], ref[ok], atol=5e-4, rtol=0)  # measured max 3e-5 (fp32)
+        finally:
+            real_engine.load_weights(original.items())
 
 
 def _free_port() -> int:

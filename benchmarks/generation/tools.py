@@ -92,7 +92,7 @@ def find_call(text: str, fmt: str) -> Optional[str]:
         if call.get("name") != TOOL_NAME or not isinstance(args.get("code"), str):
             raise ValueError
         return args["code"]
-    except (ValueError, AttributeError, TypeError):
+    except (ValueError, AttributeError, TypeError, RecursionError):  # RecursionError: JSON nested ~1,000 deep
         raise InvalidCall(f'not a {TOOL_NAME} call: expected {{"name": "{TOOL_NAME}", "arguments": {{"code": ...}}}}') from None
 
 

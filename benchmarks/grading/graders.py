@@ -27,7 +27,14 @@ Our grader (`math-verify`):
   paragraph offered as alternatives ("\\boxed{2} or \\boxed{5}") count only together, as a list (the
   strict reading of a hedge). An inline `$...$` span that is prose without LaTeX (unescaped dollar
   amounts: "$3 and she pays with $") is not math. "negative 4" is -4. Without a number in the final
-  paragraph, "infinitely many" or "no (real) solution(s)" there is the answer (`answer-words`).
+  paragraph, "infinitely many" or "no (real) solution(s)" there is the answer (`answer-words`), and so it is
+  when the final sentence says it after its numbers, unless it is a quantifier ("for infinitely many n ...").
+  Version 8: a count in words in the final sentence with no digit ("There are twelve eggs left", not "one
+  more case") is the answer (`number-words`), and a stated answer in words ("the answer is three",
+  "negative four") is its number; the Unicode minus (U+2212) is a minus; a mixed number in prose ("2 3/4
+  cups") is 11/4, not its fraction; "6.4 million" is 6400000; "the correct option/choice is **B**" states
+  B; a degree sign (`\\degree`, `^\\circ`, `°`) after a number is dropped on both sides; a response that
+  opens `<think>` and never closes it (cut inside its reasoning) is no answer (`unclosed-think`).
   Each verdict records how the answer was found. `boxed_only` (training rewards): the box candidates only.
 - Verification: thousands separators inside numbers are removed (`3\\,159`, `1{,}000`, `1,000`; not
   `0,111`); other commas make a list (`1,3`), which math-verify compares as a set (so `13` is not
@@ -74,7 +81,7 @@ class Verdict:
 
 
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
-_PHRASE = re.compile(r"(?:final answer|the answer|answer)\s*(?:is|:)", re.IGNORECASE)
+_PHRASE = re.compile(r"(?:final answer|the answer|answer|(?:correct|right)\s+(?:option|choice))\s*(?:is|:)", re.IGNORECASE)
 # A phrase about an answer already given, not stating one: "this answer is right", "that answer is ..."
 _REMARK_SUBJECT = re.compile(r"\b(?:this|that|our|my|your|which|the above|each|every)\s+(?:final\s+)?$", re.IGNORECASE)
 # What follows "answer is" when it judges the answer instead of stating it
@@ -109,6 +116,30 @@ _TIMES10 = re.compile(r"^([-+]?\d+(?:\.\d+)?)\s*\\(?:times|cdot)\s*10\^\{?([-+]?
 _GROUP_SEP = re.compile(r"(?<=\d)(?:\\[,!;:]|\{,\}|\\ |~|\u2009|\u202f)(?=\d{3}(?!\d))")
 _PERCENT_WORD = re.compile(r"\s*(?:pct|percent)\.?$", re.IGNORECASE)
 SEP = "\x1f"  # joins answer candidates in one cache key
+
+# Numbers in words (version 8): "three", "twenty-one", "one hundred five", "negative four".
+_UNITS = {w: i for i, w in enumerate("zero one two three four five six seven eight nine ten eleven twelve thirteen "
+                                     "fourteen fifteen sixteen seventeen eighteen nineteen".split())}
+_TENS = {w: 10 * i for i, w in enumerate("_ _ twenty thirty forty fifty sixty seventy eighty ninety".split()) if w != "_"}
+_SCALES = {"hundred": 100, "thousand": 1_000, "million": 10**6, "billion": 10**9, "trillion": 10**12}
+_NUM_WORD = r"(?:" + "|".join(sorted([*_UNITS, *_TENS, *_SCALES], key=len, reverse=True)) + r")"
+_NUM_WORDS = re.compile(rf"(?:(?:negative|minus)\s+)?{_NUM_WORD}(?:(?:\s+(?:and\s+)?|-){_NUM_WORD})*", re.IGNORECASE)
+# A count stated in the final sentence: "There are twelve eggs left", "So she has three apples", "is five".
+_STATED_COUNT = re.compile(rf"\b(?:is|are|was|were|be|equals?|has|have|had|gets?|got|makes?|made|totals?|total of|"
+                           rf"remains?|left with|needs?|needed|takes?|took|costs?)\s+({_NUM_WORDS.pattern})\b", re.IGNORECASE)
+# A number word that is not a count: "one more thing", "one of them", "one way", "two steps further on".
+_NOT_A_COUNT = re.compile(r"\s*(?:more|other|another|of|way|ways|thing|step|steps|last|final|moment|second|third|"
+                          r"side|sides|hand|case|cases|time|times|again|half|halves|quarter|quarters)\b", re.IGNORECASE)
+# A scale word after a number: "6.4 million" is 6400000.
+_SCALED = re.compile(r"^(-?\d+(?:\.\d+)?)\s*(thousand|million|billion|trillion)$", re.IGNORECASE)
+_SCALED_IN_TEXT = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?\s+(?:thousand|million|billion|trillion)\b", re.IGNORECASE)
+# A mixed number in prose: "2 3/4" is 11/4 (a proper fraction after a whole number and one space).
+_MIXED = re.compile(r"^(-?)(\d+)\s(\d+)/(\d+)$")
+_MIXED_IN_TEXT = re.compile(r"(?<![\w.,/])-?\d+ \d+/\d+(?![\w./])")
+# A degree sign after a value: 30\degree, 30^\circ, 30^{\circ}, 30°, 30\textdegree.
+_DEGREE = re.compile(r"\s*(?:\^\s*\{?\s*\\circ\s*\}?|\\degree|\\textdegree|°)\s*$")
+# An R1-style response cut inside its reasoning: a <think> that never closes.
+_THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
 
 
 @dataclass(frozen=True)
@@ -149,9 +180,34 @@ def last_boxed(text: str) -> Optional[str]:
 
 
 def _answer_like(s: str) -> bool:
-    """Whether a stated answer looks like one: a digit, math (`$`, `\\`, an operator or bracket), or
-    a short token (a choice letter, a variable). "helpful!" in "I hope this answer is helpful!" does not."""
-    return bool(re.search(r"[\d$\\^_=+\-*/()\[\]{}<>]", s)) or len(s) <= 3 or _word_value(s) != s
+    """Whether a stated answer looks like one: a digit, math (`$`, `\\`, an operator or bracket), a
+    short token (a choice letter, a variable) or a number in words. "helpful!" in "I hope this answer is
+    helpful!" does not."""
+    return (bool(re.search(r"[\d$\\^_=+\-*/()\[\]{}<>]", s)) or len(s) <= 3 or _word_value(s) != s
+            or words_number(s) is not None)
+
+
+def words_number(s: str) -> Optional[str]:
+    """A number written in words as digits ("twenty-one" -> "21", "negative four" -> "-4", "one hundred
+    five" -> "105"), when `s` is nothing else (a final full stop aside); else None."""
+    t = s.strip().rstrip(".").strip()
+    if not t or not _NUM_WORDS.fullmatch(t):
+        return None
+    words = re.split(r"[\s-]+", t.lower())
+    sign = -1 if words[0] in ("negative", "minus") else 1
+    words = [w for w in words if w not in ("negative", "minus", "and")]
+    total, current = 0, 0
+    for w in words:
+        if w in _UNITS:
+            current += _UNITS[w]
+        elif w in _TENS:
+            current += _TENS[w]
+        elif w == "hundred":
+            current = max(current, 1) * 100
+        else:  # thousand, million, ...
+            total += max(current, 1) * _SCALES[w]
+            current = 0
+    return str(sign * (total + current))
 
 
 def _prose(s: str) -> bool:
@@ -214,6 +270,9 @@ def _stated_answer(text: str) -> tuple[Optional[str], int]:
 
 def extract_candidates(response: str, boxed_only: bool = False) -> tuple[list[str], str]:
     """(answer candidates in order, how the first was found); see the module docstring."""
+    response = response.replace("\u2212", "-")  # the Unicode minus sign is a minus
+    if _THINK_OPEN in response and _THINK_CLOSE not in response[response.rfind(_THINK_OPEN):]:
+        return [], "unclosed-think"  # cut inside its reasoning: whatever it was weighing is no answer
     found, unclosed = boxes(response)  # boxes anywhere; the fallbacks read the end only
     if unclosed:
         return [], "unclosed-box"
@@ -251,11 +310,61 @@ def extract_candidates(response: str, boxed_only: bool = False) -> tuple[list[st
         said = _PROSE_VALUE.findall(final)
         if said:
             return [_word_value(said[-1])], "answer-words"
-    nums = _NUMBER.findall(text)
-    if nums:
-        last = nums[-1]
-        return [last.replace(",", "") if _THOUSANDS.match(last) else last], "last-number"
+    sentence = _final_sentence(final)
+    said_last = [m for m in _PROSE_VALUE.finditer(sentence) if not _QUANTIFIED.search(sentence[:m.start()])]
+    in_sentence = list(_NUMBER.finditer(sentence))
+    if said_last and (not in_sentence or said_last[-1].start() > in_sentence[-1].end()):
+        # version 8: a final sentence that says it after its numbers ("for every n > 2 there are infinitely many
+        # solutions"); "for infinitely many n the value is 5" is a quantifier, and states 5
+        return [_word_value(said_last[-1].group())], "answer-words"
+    if not in_sentence:  # "There are twelve eggs left.": a count in words in the final sentence
+        counts = [m for m in _STATED_COUNT.finditer(sentence) if not _NOT_A_COUNT.match(sentence[m.end():])]
+        value = words_number(counts[-1].group(1)) if counts else None
+        if value is not None:
+            return [value], "number-words"
+    found_nums = list(_NUMBER.finditer(text))
+    if found_nums:
+        last = found_nums[-1]
+        mixed = list(_MIXED_IN_TEXT.finditer(text))
+        if mixed and mixed[-1].end() == last.end() and _mixed(mixed[-1].group()) != mixed[-1].group():
+            return [mixed[-1].group()], "last-number"  # "2 3/4 cups": the mixed number, not its fraction
+        scaled = list(_SCALED_IN_TEXT.finditer(text))
+        if scaled and scaled[-1].start() == last.start():
+            return [scaled[-1].group()], "last-number"  # "6.4 million"
+        value = last.group()
+        return [value.replace(",", "") if _THOUSANDS.match(value) else value], "last-number"
     return [], "none"
+
+
+# "for infinitely many n ...", "of infinitely many": a quantifier, not the answer
+_QUANTIFIED = re.compile(r"\b(?:for|of|among|in|over)\s+$", re.IGNORECASE)
+
+
+def _final_sentence(final: str) -> str:
+    """The last sentence of the final paragraph (split at a full stop, question or exclamation mark followed by
+    a space; decimal points stay)."""
+    parts = [p for p in re.split(r"(?<=[.!?])\s+", final.strip()) if p.strip()]
+    return parts[-1] if parts else ""
+
+
+def _mixed(s: str) -> str:
+    """A mixed number "2 3/4" as the fraction it is ("11/4"); an improper or other form unchanged."""
+    m = _MIXED.match(s.strip())
+    if not m or int(m.group(3)) >= int(m.group(4)) or int(m.group(4)) == 0:
+        return s
+    whole, num, den = int(m.group(2)), int(m.group(3)), int(m.group(4))
+    return f"{m.group(1)}{whole * den + num}/{den}"
+
+
+def _scaled(s: str) -> str:
+    """"6.4 million" as the number it is ("6400000"), exactly (decimal arithmetic); else unchanged."""
+    m = _SCALED.match(s.strip())
+    if not m:
+        return s
+    from decimal import Decimal
+
+    v = Decimal(m.group(1)) * _SCALES[m.group(2).lower()]
+    return format(v.normalize(), "f")
 
 
 def extract_answer(response: str, boxed_only: bool = False) -> tuple[Optional[str], str]:
@@ -265,7 +374,10 @@ def extract_answer(response: str, boxed_only: bool = False) -> tuple[Optional[st
 
 
 def _normalise(s: str) -> str:
-    s = s.strip()
+    s = s.strip().replace("\u2212", "-")
+    s = _DEGREE.sub("", s) if re.search(r"\d", s) else s  # 30\degree, 30^\circ: the number of degrees
+    s = _mixed(_scaled(s))
+    s = words_number(s) or s  # "twenty-one": 21
     s = _NEGATIVE_WORD.sub("-", s)  # "negative 4": -4
     if len(s) >= 2 and s.startswith("$") and s.endswith("$"):
         s = s.strip("$").strip()
@@ -530,7 +642,7 @@ class GraderSpec:
 
 
 GRADERS: dict[str, GraderSpec] = {g.name: g for g in [
-    GraderSpec("math-verify", 7, "ours: final box (or a later stated answer, or inline math, or the last number), "
+    GraderSpec("math-verify", 8, "ours: final box (or a later stated answer, or inline math, or the last number), "
                "normalised, then math-verify", key=_candidates_key, judge=grade, quick=_quick),
     GraderSpec("math-verify-plain", 1, "math-verify's defaults on the whole response",
                key=lambda r, b: (r[-MAX_RESPONSE_CHARS:], "whole-response"), judge=_plain_math_verify),

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from stare_cli.core.config import Recipe
 from stare_kernel.errors import StareError
+from stare_kernel.io import disk_full, is_disk_full
 from stare_cli.core.runs import (STATE as RUN_STATE, checkpoint_steps, fsync_dir, fsync_tree, save_pretrained_readable,
                                   write_manifest)
 
@@ -22,13 +23,19 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, sched
     final = ckpt_root / f"step-{step:06d}"
     tmp = ckpt_root / f".tmp-step-{step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_pretrained_readable(model, tokenizer, tmp)
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "torch_rng": torch.get_rng_state()}, tmp / "trainer.pt")
-    (tmp / RUN_STATE).write_text(json.dumps(state, indent=2))
-    write_manifest(tmp)
-    fsync_tree(tmp)
+    try:
+        tmp.mkdir(parents=True)
+        save_pretrained_readable(model, tokenizer, tmp)
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                    "torch_rng": torch.get_rng_state()}, tmp / "trainer.pt")
+        (tmp / RUN_STATE).write_text(json.dumps(state, indent=2))
+        write_manifest(tmp)
+        fsync_tree(tmp)
+    except Exception as e:  # a full disk names the checkpoint (safetensors and torch say only errno 28)
+        if not is_disk_full(e):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise disk_full(final, "the half-written copy was removed; the run's earlier checkpoints are intact") from None
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     link_tmp = ckpt_root / ".latest.tmp"

@@ -558,6 +558,8 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume: Optional[ResumePla
         run.lock.close()
         layer.close()
         eval_grader.close()
+        if callable(getattr(rollout.engine, "close", None)):  # a vLLM engine: freed now, not at interpreter exit
+            rollout.engine.close()
         if wb is not None:
             wb.finish()
     return run.run_dir
@@ -635,8 +637,13 @@ def open_run(cfg: Recipe, out_root: Path | str, resume: Optional[ResumePlan]) ->
         print(f"warning: resuming from {ckpt.name}", file=sys.stderr)
     latest = run_dir / "checkpoints" / "latest"
     if latest.exists() and latest.resolve() != ckpt.resolve():
-        print(f"note: checkpoints/latest names {latest.resolve().name}, but {ckpt.name} is newer and intact (a run "
-              f"stopped before moving latest): resuming from {ckpt.name}", file=sys.stderr)
+        named = latest.resolve().name
+        if named > ckpt.name:  # step-NNNNNN names sort as their steps: latest's own checkpoint was skipped above
+            print(f"note: checkpoints/latest names {named}, which is damaged (skipped above): resuming from {ckpt.name}, "
+                  "the newest intact checkpoint", file=sys.stderr)
+        else:
+            print(f"note: checkpoints/latest names {named}, but {ckpt.name} is newer and intact (a run stopped before "
+                  f"moving latest): resuming from {ckpt.name}", file=sys.stderr)
     return RunHandle(run_dir, lock, ckpt)
 
 

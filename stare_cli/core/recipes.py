@@ -232,6 +232,9 @@ def _load_file(path: Path, layered: Layered, stack: tuple[Path, ...]) -> None:
                 f"{_display(path)}:{lines.get(('include',), '?')}: included file '{inc}' not found",
                 hint=f"paths are relative to {_display(path.parent)}",
             )
+        if not inc_path.is_file():
+            raise StareError(f"{_display(path)}:{lines.get(('include',), '?')}: included path '{inc}' is a folder, "
+                             "not a recipe file", hint=f"name a .yaml file in it, e.g. {inc.rstrip('/')}/base.yaml")
         _load_file(inc_path, layered, (*stack, path))
     shown = _display(path)
     _merge(layered, data, lambda key: Origin(shown, lines.get(key)))

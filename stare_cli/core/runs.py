@@ -75,7 +75,14 @@ def new_run_dir(recipe: Recipe, root: str | Path = "runs") -> Path:
     refuse_run_dir_as_parent(Path(root))
     try:
         path = make_unique_dir(Path(root) / run_name(recipe))
-    except OSError as e:  # --out is a file, or a folder this user cannot write
+    except OSError as e:  # --out is a file, or a folder this user cannot write; or the name is too long
+        import errno
+
+        if e.errno == errno.ENAMETOOLONG:
+            name = run_name(recipe)
+            raise StareError(f"the run's name is {len(name.encode())} bytes, more than this filesystem allows for a "
+                             f"folder name (255): it is built from the recipe's name '{recipe.name[:60]}...'",
+                             hint="give the recipe a shorter `name:` (or -o name=...)") from None
         why = "it is a file" if Path(root).is_file() else e.strerror
         raise StareError(f"--out {root}: cannot create a run directory there ({why})",
                          hint="choose a folder you can write, e.g. --out runs") from None
