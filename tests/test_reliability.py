@@ -696,7 +696,7 @@ def test_a_full_disk_in_an_evaluation_names_the_file_and_loses_nothing(cli, tmp_
     import stare_kernel.io as kio
 
     monkeypatch.setattr(kio.os, "fsync", _no_space)
-    code, _, err = cli(*args[:7], "2", *args[8:])  # -n 2: a new setting, whose results cannot be written
+    code, _, err = cli(*args[:8], "2", *args[9:])  # -n 2: a new setting, whose results cannot be written
     assert code == 1
     (line,) = [ln for ln in err.splitlines() if ln.startswith("error:")]
     assert "no space left on device while writing it" in line and str(out / "toy-arith") in line, line

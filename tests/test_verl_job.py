@@ -161,3 +161,34 @@ def test_emit_script_needs_a_shared_directory(cli, tmp_path):
     code, _, err = cli("train", "-r", "tiny/arith", "-m", "stare-o1", "--backend", "verl",
                        "-o", "backend.verl.shared_dir=relative/path", "-o", "rollout.refill=per_group", "-o", "optim.loss_layout=global", "--dry-run")
     assert code == 1 and "backend.verl.shared_dir" in err and "absolute" in err
+
+
+def test_a_worker_killed_by_rays_memory_monitor_is_said_plainly(cli, tmp_path, quick_toy, monkeypatch):
+    """Issue 68: on a busy machine Ray's memory monitor killed verl's actors and the run ended with an exit code
+    and a dump; the error now says that the machine ran low on memory, and what to do."""
+    import subprocess as sp
+
+    from stare_cli.backends import verl_backend
+
+    line = ("ray.exceptions.OutOfMemoryError: Task was killed due to the node running low on memory. "
+            "Memory on the node (IP: 127.0.0.1) was 22.1GB / 23.2GB (0.95), which exceeds the memory usage threshold")
+    assert verl_backend.ray_killed_for_memory(line) and not verl_backend.ray_killed_for_memory("step:1 - loss: 0.1")
+    real = sp.Popen
+
+    class FakeVerl(real):  # verl's process as Ray ends it: its OOM line, exit 1 (any other process: real)
+        def __init__(self, args, *a, **kw):
+            if "verl.trainer.main_ppo" in list(args):
+                args = [sys.executable, "-c", f"print({line!r}); raise SystemExit(1)"]
+            super().__init__(args, *a, **kw)
+
+    data = tmp_path / "data"
+    assert cli("data", "prepare", "-r", "tiny/arith", "--out", str(data), "--limit", "16", "-o", "eval.limit=8")[0] == 0
+    monkeypatch.setattr(sp, "Popen", FakeVerl)
+    args = ["train", "-r", "tiny/arith", "-m", "stare-o1", "--backend", "verl", "--device", "cpu",
+            "--data-dir", str(data), "--out", str(tmp_path / "runs"), "-o", f"model.path={quick_toy}"]
+    for o in SMALL:
+        args += ["-o", o]
+    code, _, err = cli(*args)
+    assert code == 1
+    (msg,) = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert "Ray's memory monitor killed a worker, the machine ran low on memory" in msg and "--resume" in msg, msg

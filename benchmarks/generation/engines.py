@@ -13,6 +13,8 @@ whether the response ended by itself (EOS/stop) or was cut at max_new_tokens.
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -344,6 +346,26 @@ def _refresh_cpu_gemm_handles(model) -> None:
             method.process_weights_after_loading(module)
 
 
+@contextlib.contextmanager
+def _stdout_with_a_descriptor():
+    """sys.stdout as the process's own while vLLM starts an engine: its process-group set-up calls
+    `sys.stdout.fileno()`, which a notebook's or a test's captured stdout does not have (the first engine of a
+    process, or the first after one was closed, then failed with `UnsupportedOperation: fileno`)."""
+    try:
+        sys.stdout.fileno()
+        has_fd = True
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError and a ValueError
+        has_fd = False
+    if has_fd or sys.__stdout__ is None:
+        yield
+        return
+    saved, sys.stdout = sys.stdout, sys.__stdout__
+    try:
+        yield
+    finally:
+        sys.stdout = saved
+
+
 class VLLMEngine:
     """vLLM's offline engine (imported lazily; needs the vllm extra, normally a GPU).
 
@@ -380,10 +402,11 @@ class VLLMEngine:
         kwargs = {} if on_cpu else {"gpu_memory_utilization": gpu_memory_utilization}  # CPU: VLLM_CPU_KVCACHE_SPACE
         # Log-probs of the distribution sampled from (temperature, top-k, top-p applied): what the
         # trainer compares with its own recomputed log-probs (rollout/* metrics).
-        self.llm = LLM(model=model_path, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
-                       max_model_len=max_model_len, trust_remote_code=trust_remote_code, seed=seed,
-                       enforce_eager=on_cpu if enforce_eager is None else enforce_eager,
-                       logprobs_mode="processed_logprobs", **kwargs)
+        with _stdout_with_a_descriptor():  # vLLM redirects file descriptor 1 while it starts its process group
+            self.llm = LLM(model=model_path, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
+                           max_model_len=max_model_len, trust_remote_code=trust_remote_code, seed=seed,
+                           enforce_eager=on_cpu if enforce_eager is None else enforce_eager,
+                           logprobs_mode="processed_logprobs", **kwargs)
         self.tok = load_tokenizer(model_path, trust_remote_code=trust_remote_code)
         self.max_prompt_tokens = max_prompt_tokens
 

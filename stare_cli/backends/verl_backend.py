@@ -679,19 +679,37 @@ def run(cfg: Recipe, out_root: Path, dry_run: bool = False, emit_script: Optiona
     with open(run_dir / "verl.log", "a" if resumed_at is not None else "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "verl.trainer.main_ppo", *overrides], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
+        oom = None  # the first line in which Ray says its memory monitor killed a worker
         try:
             for line in proc.stdout:
                 log.write(line)
                 sys.stderr.write(line)
+                if oom is None and ray_killed_for_memory(line):
+                    oom = line.strip()[:300]
             code = proc.wait()
         except KeyboardInterrupt:
             proc.terminate()
             proc.wait()
             raise
     write_card(run_dir, "stopped" if code else "finished")
+    if code and oom:
+        raise StareError(f"verl exited with code {code}: Ray's memory monitor killed a worker, the machine ran low "
+                         f"on memory (verl.log: \"{oom[:160]}\")",
+                         hint="free memory (other processes), or raise Ray's threshold (RAY_memory_usage_threshold, "
+                              "default 0.95); the run resumes from its last checkpoint: stare train --resume "
+                              f"{run_dir}")
     if code:
         raise StareError(f"verl exited with code {code}", hint=f"see {run_dir / 'verl.log'}")
     return run_dir
+
+
+_RAY_OOM = ("OutOfMemoryError", "running low on memory", "memory monitor", "killed due to memory pressure")
+
+
+def ray_killed_for_memory(line: str) -> bool:
+    """Whether a line of verl's output is Ray saying that its memory monitor killed a task or actor (Ray writes
+    `ray.exceptions.OutOfMemoryError: Task was killed due to the node running low on memory`)."""
+    return any(sig in line for sig in _RAY_OOM)
 
 
 # --------------------------------------------------------------- the official run's effective values

@@ -69,7 +69,7 @@ def method_warnings(recipe: Recipe) -> list[str]:
     old ones (verl 0.9.1 takes `log_prob.detach()` as old when on-policy; the embedded trainer's old pass
     runs the update's own micro-batches, so on a deterministic device it gives the same bits), so the
     penalty is 0 with a 0 gradient and the run trains exactly as GRPO-ds
-    (tests/test_baselines.py::test_kl_cov_with_one_update_per_batch_is_grpo_ds; issue 48's KL-Cov cell: 23
+    (tests/test_baselines.py::test_kl_cov_with_one_update_per_batch_is_grpo_ds; issue 48's KL-Cov cell: 25
     steps bit-identical to GRPO-ds on the CPU)."""
     spec = check_method(recipe.method.name)
     O = recipe.optim
