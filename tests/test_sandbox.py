@@ -574,6 +574,28 @@ def test_a_call_sees_no_mount_table_host_uid_command_lines_or_key_names():
     assert o.text().splitlines() == ["[] 2", "2", "[1, 2]"], o.text()
 
 
+def test_a_call_sees_its_own_boot_clock_not_the_hosts_uptime():
+    """Issue 68, reliability 2: inside a call, CLOCK_BOOTTIME and `sysinfo` showed the host's uptime. The call
+    now has its own time namespace (Linux 5.6), whose boot and monotonic clocks start near 0 when it starts:
+    read within the call's first seconds, they are far below the host's (this machine has run for more than a
+    minute before any test: the suite takes longer than that to reach this file)."""
+    import time
+
+    host = time.clock_gettime(time.CLOCK_BOOTTIME)
+    o = run_python(textwrap.dedent("""
+        import ctypes, time
+        class SysInfo(ctypes.Structure):
+            _fields_ = [("uptime", ctypes.c_long), ("rest", ctypes.c_char * 256)]
+        si = SysInfo()
+        ctypes.CDLL(None).sysinfo(ctypes.byref(si))
+        print(time.clock_gettime(time.CLOCK_BOOTTIME), time.monotonic(), si.uptime)
+    """), L)
+    assert o.status == "ok", o.text()
+    boot, mono, uptime = (float(x) for x in o.text().split())
+    assert boot < 30 and mono < 30 and uptime < 30, (boot, mono, uptime, host)
+    assert boot < host - 30 or host < 60, (boot, host)
+
+
 def test_code_with_a_lone_surrogate_is_named_not_a_launcher_traceback():
     """Issue 47, item 8: a lone surrogate in the code gave the launcher's traceback (with host paths)."""
     o = run_python('print("a\ud800b")', L)

@@ -29,7 +29,7 @@ from typing import Optional
 
 from benchmarks.data.cache import build_once, cache_root
 from stare_kernel.errors import StareError, did_you_mean, install_hint
-from stare_kernel.io import save_pretrained_readable
+from stare_kernel.io import file_sha256, save_pretrained_readable
 
 PROVENANCE = "stare_model.json"
 
@@ -162,14 +162,6 @@ def tensors_digest(state: dict) -> str:
         t = state[k].detach().contiguous().cpu()
         h.update(f"{k}|{t.dtype}|{tuple(t.shape)}|".encode())
         h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
     return h.hexdigest()
 
 

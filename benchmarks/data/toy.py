@@ -35,7 +35,7 @@ from typing import Optional
 
 from benchmarks.data.cache import build_once, cache_root
 from benchmarks.data.registry import BenchmarkSpec, register, register_train_set
-from stare_kernel.io import atomic_write_text, save_pretrained_readable
+from stare_kernel.io import atomic_write_text, file_sha256, save_pretrained_readable
 
 TOY_VERSION = 1
 WORDS = ["Compute", "first", "we", "get", "so", "then", "and", "the", "answer", "is", "thus", "result", "\\boxed{"]
@@ -340,7 +340,7 @@ def ensure_toy_model(task: str = "arith") -> Path:
     if task in SHIPPED:
         path = shipped_dir(task)
         if task not in _VERIFIED:
-            got = _sha256(path / "model.safetensors") if (path / "model.safetensors").exists() else "missing"
+            got = file_sha256(path / "model.safetensors") if (path / "model.safetensors").exists() else "missing"
             if got != SHIPPED[task]:
                 from stare_kernel.errors import StareError
 
@@ -388,14 +388,6 @@ def build_toy(task: str, seed: Optional[int] = None, force: bool = False, thread
     return path
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def ship(task: str, source: Path) -> tuple[Path, str]:
     """Copy a built warm-up into the package's assets (maintainers); returns its dir and hash, which
     go into SHIPPED."""
@@ -403,7 +395,7 @@ def ship(task: str, source: Path) -> tuple[Path, str]:
     if dest.exists():
         shutil.rmtree(dest)
     shutil.copytree(source, dest)
-    return dest, _sha256(dest / "model.safetensors")
+    return dest, file_sha256(dest / "model.safetensors")
 
 
 # The toy's held-out sets as benchmarks (`stare eval --bench toy:arith`, `eval.benchmarks` in recipes).

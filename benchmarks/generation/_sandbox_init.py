@@ -31,6 +31,7 @@ import sys
 
 CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS = 0x00020000, 0x02000000, 0x04000000
 CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x08000000, 0x10000000, 0x20000000, 0x40000000
+CLONE_NEWTIME = 0x00000080  # Linux 5.6: the boot and monotonic clocks (and sysinfo's uptime) of the call's own
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 MS_NOATIME, MS_NODIRATIME, MS_RELATIME = 1024, 2048, 1 << 21
@@ -271,6 +272,20 @@ def _exit_like(status: int) -> None:
     os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 125)
 
 
+def _start_clocks_at_zero() -> None:
+    """Offsets of the new time namespace that start its CLOCK_BOOTTIME and CLOCK_MONOTONIC (and so the uptime
+    `sysinfo` reports) near 0 for the call: the host's uptime, which tells how long the machine has run, is
+    not visible. Written once, before any process enters the namespace (the kernel's rule)."""
+    import time
+
+    boot, mono = time.clock_gettime(time.CLOCK_BOOTTIME), time.clock_gettime(time.CLOCK_MONOTONIC)
+    try:
+        with open("/proc/self/timens_offsets", "w") as f:
+            f.write(f"boottime {-int(boot)} 0\nmonotonic {-int(mono)} 0\n")
+    except OSError as e:
+        _fail(f"time namespace offsets: {e}")
+
+
 def _fail(what: str) -> None:
     os.write(2, f"sandbox setup failed: {what}\n".encode())
     os._exit(125)
@@ -316,13 +331,17 @@ def _child(cfg: dict, parent: int, unshared_w: int, mapped_r: int) -> None:
     """C: new namespaces; once H has written the id maps, root of the namespace; forks G."""
     try:
         _die_with_parent(parent)
-        _ok(libc.unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC
-                         | CLONE_NEWUTS | CLONE_NEWCGROUP), "unshare")
+        flags = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWCGROUP
+        own_clock = libc.unshare(flags | CLONE_NEWTIME) == 0
+        if not own_clock:  # a kernel before 5.6: the same isolation, the host's boot clock still visible
+            _ok(libc.unshare(flags), "unshare")
     except SetupError as e:
         _fail(str(e))
     os.write(unshared_w, b"u")
     if os.read(mapped_r, 1) != b"m":
         os._exit(125)
+    if own_clock:  # before the namespace's first process, and before a change of credentials makes this
+        _start_clocks_at_zero()  # process's /proc files root's: its boot and monotonic clocks start at the call
     try:  # still with the caller's host uid: paths it may look up (e.g. under /root) open here
         cfg = _open_sources(cfg)
     except OSError as e:

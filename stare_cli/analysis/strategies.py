@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from benchmarks.data.registry import dir_name
 from stare_cli.analysis.sweep import SEED_INTERVALS, over_seeds_text, seeds_summary
 from stare_kernel.errors import StareError
 from stare_cli.core.runs import read_jsonl

@@ -799,7 +799,6 @@ def cell_evaluations(out: Optional[Path], cells: list[Cell]) -> dict[str, dict[s
     '<bench> n=<N> step=<S>', with '[field=value, ...]' added where evaluations differ in more (the ledger's
     identity less the method, which tells the cells apart): two records never share a key unless they differ
     in the seed and the method alone."""
-    from stare_kernel.ledger import labels_by_difference, pool_key
     from stare_kernel.reader import find_records
 
     recs: dict[str, list] = {}

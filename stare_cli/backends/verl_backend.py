@@ -751,7 +751,12 @@ OFFICIAL_DIFFERENCES: list[tuple[str, str, str]] = [
     ("actor_rollout_ref.model.external_lib", "deliberate", "our extension (method layer in verl's processes)"),
     ("actor_rollout_ref.actor.calculate_entropy", "deliberate", "the fork computes the current entropy only to log "
      "it; the method layer's STARE needs none (entropy methods switch it on)"),
-    ("data.seed", "deliberate", "the data order is seeded from optim.seed (the fork's was unseeded)"),
+    ("data.seed", "deliberate", "the data order is seeded from optim.seed. The fork sets `data.seed: null`, and its "
+     "sampler (`create_rl_sampler` in `recipe/STARE/main_stare.py`) then draws from a `torch.Generator()` never "
+     "seeded, which starts from torch's fixed default seed (67280421310721): the official order is **the same on "
+     "every run**, not a fresh one per run. Ours is a different order for each optim.seed; matching the official "
+     "one would need torchdata's stateful `RandomSampler` over that generator on both backends (not done: the data "
+     "order is then no longer a seed)"),
     ("actor_rollout_ref.actor.data_loader_seed", "deliberate", "seeded from optim.seed"),
     ("trainer.total_training_steps", "deliberate", "paper silent on the run length: optim.total_steps (500)"),
     ("trainer.total_epochs", "deliberate", "bounded by total_training_steps instead"),

@@ -458,14 +458,3 @@ class Recipe(_Strict):
                 f"rollout.max_response_tokens ({self.rollout.max_response_tokens})"
             )
         return self
-
-
-def dotted_items(d: dict, prefix: str = "") -> dict[str, object]:
-    """A nested mapping (a dumped recipe) as {"a.b.c": leaf value}."""
-    out: dict[str, object] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(dotted_items(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out

@@ -19,7 +19,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from stare_cli.core.config import Recipe, dotted_items
+from stare_cli.core.config import Recipe
+from stare_kernel.ledger import dotted_items
 from stare_kernel.errors import StareError
 from stare_cli.core.runs import make_unique_dir
 

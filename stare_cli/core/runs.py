@@ -22,7 +22,6 @@ refuses (with `--restart` as the way out) when there is none.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 import time
@@ -30,7 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from stare_cli.core.config import Recipe
-from stare_kernel.io import (MANIFEST, STATE, _UMASK, append_jsonl, atomic_write_text, checkpoint_problem,  # noqa: F401
+# The run directory is written with the kernel's file I/O; these names are also imported from here by the
+# trainer, the sweep and the card (stare_kernel/io.py defines them).
+from stare_kernel.io import (STATE, append_jsonl, atomic_write_text, checkpoint_problem,  # noqa: F401
                              environment_summary, file_sha256, fsync_dir, fsync_tree, git_sha, hold_run_lock,
                              read_jsonl, save_pretrained_readable, source_diff, write_manifest)
 
