@@ -182,18 +182,19 @@ def step_lr(run_dir: Path, step: int) -> Optional[float]:
 
 
 def verl_records(run: Path) -> list[Record]:
-    """A verl run's validation metrics as records of format 0 (the last step that validated, per benchmark):
+    """A verl run's validation metrics as records of format 0, one per benchmark and step that validated:
     verl's `val-core/<bench>/acc/mean@N` is avg@N over the validation set."""
     pat = re.compile(r"^val-core/(.+)/acc/mean@(\d+)$")
     cfg = _run_config(run)
     if not cfg or cfg.get("backend", {}).get("name") != "verl":
         return []
-    latest: dict[str, tuple[int, int, float]] = {}
+    latest: dict[tuple[str, int], tuple[int, int, float]] = {}
     for row in read_jsonl(run / "metrics.jsonl"):
         for k, v in row.items():
             m = pat.match(k)
             if m:
-                latest[m.group(1)] = (int(row.get("step", 0)), int(m.group(2)), float(v))
+                step = int(row.get("step", 0))
+                latest[(m.group(1), step)] = (step, int(m.group(2)), float(v))
     if not latest:
         return []
     counts: dict[str, int] = {}
@@ -210,7 +211,7 @@ def verl_records(run: Path) -> list[Record]:
             continue
     ev, ro = cfg.get("eval", {}), cfg.get("rollout", {})
     out = []
-    for bench, (step, n, acc) in latest.items():
+    for (bench, _), (step, n, acc) in latest.items():
         ident = {k: UNKNOWN for k in IDENTITY_FIELDS}
         ident.update(ledger=0, benchmark=bench, weights=TRAINED, **run_fields(cfg), step=step, lr=step_lr(run, step), n=n,
                      temperature=ev.get("temperature"), top_p=ev.get("top_p"),
@@ -221,5 +222,5 @@ def verl_records(run: Path) -> list[Record]:
                           seed=cfg.get("optim", {}).get("seed"), train_seed=cfg.get("optim", {}).get("seed"),
                           path=run / "metrics.jsonl", folder=run, run={"dir": str(run), "name": run.name},
                           written=time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime((run / "metrics.jsonl").stat().st_mtime)),
-                          model_path=str(run)))
+                          model_path=str(run), extra={"source": "verl-validation"}))
     return out

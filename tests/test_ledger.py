@@ -233,3 +233,29 @@ def test_a_weights_digest_changes_when_weights_change_in_place(tmp_path):
 
     assert replace(s, weights=first).key() != replace(s, weights=second).key()
     assert weights_digest("Qwen/Qwen2.5-Math-7B") == "hub:Qwen/Qwen2.5-Math-7B"
+
+
+def test_a_verl_runs_validations_are_records_of_each_step_and_compare_picks_the_step(cli, tmp_path):
+    """A verl run's evaluations are its validation metrics (metrics.jsonl's val-core/<bench>/acc/mean@N): one
+    record per benchmark and step; a row is the run's last validated step, or --step."""
+    import yaml
+
+    run = tmp_path / "verl-run"
+    run.mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump({"name": "x", "method": {"name": "grpo-ds"}, "optim": {"seed": 3},
+                                                     "backend": {"name": "verl"}, "eval": {"temperature": 1.0,
+                                                     "top_p": 0.7}, "rollout": {"max_response_tokens": 64}}))
+    (run / "meta.json").write_text("{}")
+    rows = [{"step": 1, "lr": 1e-6}, {"step": 2, "lr": 1e-6, "val-core/aime24/acc/mean@4": 0.25},
+            {"step": 4, "lr": 1e-6, "val-core/aime24/acc/mean@4": 0.5}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    recs = find_records([run]).records
+    assert sorted((r.identity["step"], r.metrics["avg@4"]) for r in recs) == [(2, 25.0), (4, 50.0)]
+    assert all(r.identity["ledger"] == 0 and r.seed_name == "3" for r in recs)
+    js = json.loads(cli("compare", str(run), "--format", "json")[1])
+    (row,) = js["rows"]
+    assert row["cells"]["aime24"]["mean"] == 50.0 and row["step"] == "4"
+    js = json.loads(cli("compare", str(run), "--step", "2", "--format", "json")[1])
+    assert js["rows"][0]["cells"]["aime24"]["mean"] == 25.0
+    code, _, err = cli("compare", str(run), "--step", "3")
+    assert code == 1 and "no evaluation at step 3 (evaluated at steps 2, 4)" in err

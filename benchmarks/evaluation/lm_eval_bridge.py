@@ -36,7 +36,7 @@ from typing import Optional
 
 from benchmarks.data.registry import BENCHMARKS, dir_name
 from benchmarks.evaluation.evaluate import (EvalSettings, _grade_rows, check_inputs, data_digest, data_record,
-                                            new_evaluation_id, write_results)
+                                            new_evaluation_id, weights_digest, write_results)
 from benchmarks.grading.graders import Grader
 from stare_kernel.errors import StareError, install_hint
 from stare_kernel.io import atomic_write_text, hold_run_lock, read_jsonl
@@ -207,7 +207,7 @@ def run(model: str, benches: list[str], out: Path, n: Optional[int], limit: Opti
                              temperature=spec.temperature if temperature is None else temperature,
                              top_p=spec.top_p if top_p is None else top_p, max_tokens=max_tokens or spec.max_tokens,
                              seed=seed, engine=ENGINE, limit=limit, data=data_digest(data[b]),
-                             dtype=None if dtype == "auto" else dtype)
+                             dtype=None if dtype == "auto" else dtype, weights=weights_digest(model))
             logged = _logged_samples(out / "lm_eval", f"stare_{b}", started)
             rows = _our_rows(logged, data[b], s, tok)
             harness = {"name": "lm-eval", "version": getattr(_le, "__version__", "?"), "command": cmd,

@@ -1,10 +1,11 @@
 """`stare compare`: runs and evaluations beside each other and beside the paper's Table 2.
 
-Inputs are training run directories (evaluation results under `eval/`, `metrics.jsonl`) and
-`stare eval` output directories (`<bench>/results.json`). Rows are grouped by method and protocol:
-mean ± std over seeds with the seed count. Results made under different protocols (N,
-temperature, top_p, template, max tokens, or a --limit) are never averaged together: they get
-separate rows, flagged. The paper's published numbers ship as package data.
+Inputs are any mix of run directories, sweeps, `stare eval` output folders and their parents: the one
+reader (stare_kernel/reader.py) finds every evaluation record under them. Rows pool records whose
+identity (stare_kernel/ledger.py: weights, run, data, protocol, grader, engine, ...) differs in the seed
+alone: mean ± std over seeds with the seed count; records that differ in anything else are separate rows,
+named by what differs, with no best and no delta between them. The paper's published numbers ship as
+package data.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import math
 import statistics
 from dataclasses import dataclass, field
 from importlib import resources
-from pathlib import Path
 from collections import namedtuple
+from pathlib import Path
 from typing import NamedTuple, Optional
 
 import yaml
@@ -25,7 +26,8 @@ import yaml
 from benchmarks.data.registry import BENCHMARKS, PAPER_ORDER
 from stare_kernel.errors import StareError, table_console
 from stare_kernel.io import read_jsonl
-from stare_kernel.ledger import IDENTITY_FIELDS, ROW_FIELDS, UNKNOWN, Record, is_run_dir, differences, pool_key, labels_by_difference, recipe_variant, run_acted, short
+from stare_kernel.ledger import (IDENTITY_FIELDS, ROW_FIELDS, UNKNOWN, Record, differences, is_run_dir,
+                                 labels_by_difference, pool_key, recipe_variant, run_acted, short)
 from stare_kernel.reader import find_records
 from stare_cli.core.runs import with_eval_points
 from stare_cli.analysis.plots import save_figure
@@ -153,10 +155,13 @@ def _under(r: Record, p: Path) -> bool:
 
 
 def _own_run(r: Record) -> Optional[Path]:
-    """The run directory whose trainer made this evaluation (it lies in the run's eval/ folder), or None."""
+    """The run directory whose trainer made this evaluation (it lies in the run's eval/ folder, or is a verl
+    run's own validation), or None."""
     if not r.run or r.identity.get("step") is None or r.folder is None:
         return None
     run = Path(r.run["dir"]).resolve()
+    if r.extra.get("source") == "verl-validation":
+        return run
     try:
         Path(r.folder).resolve().relative_to(run / "eval")
     except ValueError:
