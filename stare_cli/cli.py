@@ -637,6 +637,8 @@ def recipes_validate(
     from stare_cli.core.resolve import load_recipe
     from stare_cli.core.recipes import list_recipes
 
+    from stare_cli.method.layer import method_warnings
+
     names = recipes or list_recipes()
     meths: list[Optional[str]] = list(METHODS) if all_methods else [method]
     bad = 0
@@ -646,6 +648,8 @@ def recipes_validate(
             cfg = load_recipe(name, m, override)
             b = backend.value if backend is not None else cfg.backend.name
             problems += [f"{key}: {reason}" for key, reason in refusals(cfg, b) if f"{key}: {reason}" not in problems]
+            for w in method_warnings(cfg):  # valid, but the method is not quite what its name says
+                print(f"note: {name} ({cfg.method.name}): {w}", file=sys.stderr)
         if problems:
             bad += 1
             for p in problems:

@@ -6,6 +6,7 @@ that keep the layers apart."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -302,3 +303,33 @@ def test_a_recipe_that_makes_kl_cov_grpo_ds_says_so(cli, quick_toy):
     assert all(method_warnings(load_recipe("tiny/arith", m)) == [] for m in METHODS if m != "kl-cov")
     code, _, err = cli("train", "--recipe", "tiny/arith", "--method", "kl-cov", "--dry-run", "-o", f"model.path={quick_toy}")
     assert code == 0 and err.startswith("warning: kl-cov trains exactly as grpo-ds"), err
+
+
+def test_a_memory_setting_that_changes_the_methods_numbers_says_so(cli, tmp_path, quick_toy):
+    """Issue 69: STARE selects per loss call, so optim.micro_batch_tokens changed which tokens were selected (2.254%,
+    2.294%, 2.374% at one, four, eight micro-batches) and nothing said so. One line at validation, --dry-run and the
+    start of `stare train`, and the run's card records it; the settings that do not change it stay silent."""
+    from stare_cli.core.resolve import load_recipe
+    from stare_cli.method.layer import partition_note
+
+    real = "small/smollm2-135m-words"
+    assert partition_note(load_recipe(real, "stare-o1")) is None  # one loss call per mini-batch: nothing changes
+    note = partition_note(load_recipe(real, "stare-o1", ["optim.micro_batch_tokens=1600"]))
+    # 8 prompts x 8 responses = 64 responses of at most 128 + 64 = 192 tokens: up to ceil(64 x 192 / 1600) = 8 calls
+    assert note.startswith("STARE selects L+/L- per loss call, and optim.micro_batch_tokens = 1600 splits each "
+                           "mini-batch of 64 responses into as many loss calls as its tokens need (up to 8)"), note
+    assert "not only the memory" in note
+    assert partition_note(load_recipe(real, "stare-o1", ["optim.micro_batch_tokens=1600", "method.stare.scope=batch"])) is None
+    assert partition_note(load_recipe(real, "grpo-ds", ["optim.micro_batch_tokens=1600"])) is None  # nothing per call
+    assert "Clip-Cov centres its covariance per loss call" in partition_note(
+        load_recipe("tiny/arith", "clip-cov", ["optim.micro_batch_size=8"]))
+    assert partition_note(load_recipe("short-cot/qwen2.5-math-7b", "stare-o1")) is None  # the official calls
+    code, _, err = cli("recipes", "validate", "tiny/arith", "-m", "stare-o1", "-o", "optim.micro_batch_size=8")
+    assert code == 0 and "note: tiny/arith (stare-o1): STARE selects L+/L- per loss call, and optim.micro_batch_size = 8" in err
+    code, out, err = cli("train", "--recipe", "tiny/arith", "--method", "stare-o1", "--out", str(tmp_path / "runs"),
+                         "-o", f"model.path={quick_toy}", "-o", "optim.micro_batch_size=8", "-o", "optim.total_steps=1",
+                         "-o", "eval.benchmarks=[]", "-o", "rollout.max_response_tokens=24")
+    assert code == 0, err
+    assert "warning: STARE selects L+/L- per loss call" in err
+    card = (Path(out.strip().splitlines()[-1]) / "REPRODUCE.md").read_text()
+    assert "- note: STARE selects L+/L- per loss call, and optim.micro_batch_size = 8" in card

@@ -696,9 +696,12 @@ def start_or_restore(cfg: Recipe, run: RunHandle, policy: Policy, layer, resume:
     the resumed checkpoint's state (optimizer, schedule, RNG, controller, data cursor; metrics rows after
     it dropped)."""
     if run.ckpt is None:
+        from stare_cli.method.layer import method_warnings
+
         write_run_meta(run.run_dir, cfg, {"backend": "embedded", "device": str(policy.device),
                                           "model_path": policy.model_path,
-                                          "reward_grader": layer.reward_function().grader.tag})
+                                          "reward_grader": layer.reward_function().grader.tag,
+                                          "method_notes": method_warnings(cfg)})
         record_config(run.run_dir, cfg, "restart" if resume is not None else "start", 0,
                       list(resume.overrides) if resume is not None else list(overrides), resume.changed if resume else {})
         write_card(run.run_dir, "started")

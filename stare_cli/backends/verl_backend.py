@@ -651,13 +651,14 @@ def run(cfg: Recipe, out_root: Path, dry_run: bool = False, emit_script: Optiona
         limits = tool_limits(cfg.rollout.tools)
         require_isolation(limits)  # here too, before the job starts (the workers check again)
         (run_dir / "tools.yaml").write_text(yaml.safe_dump(tool_config(limits)))
-    from stare_cli.method.layer import MethodLayer
+    from stare_cli.method.layer import MethodLayer, method_warnings
 
     from stare_cli.core.runs import record_config
 
     if resumed_at is None:  # a new run, or a restart: meta.json describes this start
         write_run_meta(run_dir, cfg, {"backend": "verl", "overrides": overrides,
-                                      "reward_grader": MethodLayer.from_recipe(cfg).reward_function().grader.tag})
+                                      "reward_grader": MethodLayer.from_recipe(cfg).reward_function().grader.tag,
+                                      "method_notes": method_warnings(cfg)})
     record_config(run_dir, cfg, "start" if resume is None else ("restart" if resume.restart else "resume"),
                   resumed_at or 0, list(resume.overrides) if resume else [], resume.changed if resume else {},
                   extra={"verl_overrides": overrides})

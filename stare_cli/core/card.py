@@ -169,6 +169,8 @@ def write_card(run_dir: Path, status: Optional[str] = None) -> Path:
         lines.append(f"- verl's effective configuration: `verl_effective_config.json`, SHA-256 `{file_sha256(eff)}`")
     if meta.get("reward_grader"):
         lines.append(f"- training reward grader: `{meta['reward_grader']}`")
+    for note in meta.get("method_notes") or []:  # what the recipe makes of its method (method_warnings)
+        lines.append(f"- note: {note}")
     lines += ["", "## Data", ""]
     lines += [f"- `{what}`: {h if len(h) != 64 else f'SHA-256 `{h}`'}" for what, h in data_files(run_dir, cfg, meta)] or ["- none recorded"]
     lines += ["", "## Tracking", "", f"- {_tracker(run_dir, cfg)}", "", "## Results", ""]

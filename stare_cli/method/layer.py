@@ -74,12 +74,53 @@ def method_warnings(recipe: Recipe) -> list[str]:
     spec = check_method(recipe.method.name)
     O = recipe.optim
     out = []
+    note = partition_note(recipe, spec)
+    if note:
+        out.append(note)
     if spec.loss == "kl_cov" and O.mini_batch_size == O.train_batch_size and O.ppo_epochs == 1:
         out.append(f"{spec.name} trains exactly as grpo-ds under this recipe: with one optimizer update per batch "
                    f"(optim.mini_batch_size = optim.train_batch_size = {O.train_batch_size}, optim.ppo_epochs 1) "
                    f"its penalty |log pi - log pi_old| is 0 with a 0 gradient; it acts from a batch's second update "
                    f"on (optim.mini_batch_size below optim.train_batch_size), or use clip-cov, which acts on-policy")
     return out
+
+
+def partition_note(recipe: Recipe, spec: Optional[MethodSpec] = None) -> Optional[str]:
+    """One line when the method computes something per loss call and the recipe splits a mini-batch into
+    several calls under the global layout, so that a memory setting (optim.micro_batch_size,
+    optim.micro_batch_tokens) changes the method's numbers, not only its memory (issue 69: at step 1 of the
+    real-model recipe STARE selected 2.254%, 2.294% and 2.374% of the tokens with one, four and eight
+    micro-batches). Per call: STARE's selection under method.stare.scope 'official' (the official code's
+    scope), Clip-Cov's and KL-Cov's covariance and the covariance kernel's weights. Under optim.loss_layout
+    'official' the calls are the official run's own (no note); the settings that do not change them:
+    activation checkpointing, the chunked LM head, method.stare.scope 'batch'."""
+    spec = spec or check_method(recipe.method.name)
+    O = recipe.optim
+    what = []
+    if spec.stare and recipe.method.stare.scope == "official":
+        what.append("STARE selects L+/L- per loss call")
+    if spec.loss in ("clip_cov", "kl_cov"):
+        what.append(f"{spec.title} centres its covariance per loss call")
+    if spec.cov_kernel:
+        what.append("the covariance kernel weighs tokens per loss call")
+    if not what or O.loss_layout != "global":
+        return None
+    responses = O.mini_batch_size * recipe.rollout.n
+    if O.micro_batch_tokens is not None:
+        row = recipe.rollout.max_prompt_tokens + recipe.rollout.max_response_tokens
+        most = -(-responses * row // O.micro_batch_tokens)
+        if most <= 1:
+            return None
+        split = (f"optim.micro_batch_tokens = {O.micro_batch_tokens} splits each mini-batch of {responses} responses "
+                 f"into as many loss calls as its tokens need (up to {min(most, responses)})")
+    else:
+        calls = -(-responses // O.micro_batch_size)
+        if calls <= 1:
+            return None
+        split = (f"optim.micro_batch_size = {O.micro_batch_size} splits each mini-batch of {responses} responses into "
+                 f"{calls} loss calls")
+    return (f"{' and '.join(what)}, and {split}: a memory setting that changes the split changes which tokens "
+            "are selected or weighted, not only the memory (activation checkpointing and the chunked LM head do not)")
 
 
 # --------------------------------------------------------------------------------------- records
