@@ -187,3 +187,31 @@ def test_a_method_that_never_acted_is_marked_and_identical_rows_are_not_bold(cli
     assert code == 1 and "differ in more than the seed" in err and "step=2" in err and "step=4" in err, err
     js = json.loads(cli("compare", str(tmp_path / "runs"), "--format", "json")[1])
     assert len(js["rows"]) == 3  # the parent folder: every run, each its own (item 2)
+
+
+def test_new_weights_copied_into_a_model_folder_are_evaluated_not_read_back(cli, tmp_path, quick_toy):
+    """Item 4: samples were keyed by the model's path, so after new weights were copied into the folder, `stare eval`
+    into the same --out reported the old weights' number ("8 already on disk")."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "model"
+    shutil.copytree(quick_toy, model)
+    out = tmp_path / "ev"
+    args = ["eval", "--bench", "toy:arith", "--model", str(model), "--limit", "8", "-n", "2", "--out", str(out),
+            "--engine", "hf", "--workers", "0"]
+    code, _, err = cli(*args)
+    assert code == 0, err
+    weights = model / "model.safetensors"
+    state = load_file(weights)
+    save_file({k: v + 0.5 * torch.randn_like(v) if v.is_floating_point() else v for k, v in state.items()}, weights,
+              metadata={"format": "pt"})
+    code, _, err = cli(*args)
+    assert code == 0, err
+    assert "(0 already on disk)" in err and "(8 already on disk)" not in err, err  # generated again
+    recs = [json.loads(p.read_text()) for p in (out / "toy-arith" / "records").glob("*.json")]
+    assert len(recs) == 2 and len({r["identity"]["weights"] for r in recs}) == 2
+    js = json.loads(cli("compare", str(out), "--format", "json")[1])
+    assert len(js["rows"]) == 2  # two models, never pooled as seeds of one
