@@ -447,8 +447,11 @@ def test_a_checkpoint_whose_bytes_changed_is_named_and_skipped(cli, tmp_path, qu
     data[8 + n:8 + n + 4096] = bytes(4096)  # zero the first tensor bytes: size and header unchanged
     last.write_bytes(bytes(data))
     assert "SHA-256 mismatch" in checkpoint_problem(last.parent)
-    code, _, err = cli("eval", "--bench", "toy:arith", "--model", str(last.parent), "--limit", "2", "--workers", "0")
+    out = tmp_path / "ev"
+    code, _, err = cli("eval", "--bench", "toy:arith", "--model", str(last.parent), "--limit", "2", "--workers", "0",
+                       "--out", str(out))
     assert code == 1 and "the checkpoint is damaged" in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()  # refused before anything is written: no empty folder left behind
     code, _, err = cli("train", "--resume", str(run), "-o", "optim.total_steps=3")  # redoes step 2 from step 1
     assert code == 0 and "skipping checkpoint" in err and "SHA-256 mismatch" in err and "resuming from step-000001" in err
     header = run / "checkpoints" / "step-000001" / "model.safetensors"

@@ -747,12 +747,15 @@ def run_eval(model: str, benches: list[str], engine_name: str = "auto", n: Optio
     out = eval_out_dir(model, path, run_dir, out)
     # before the model loads: the data (file and line of a bad row), then the model's name, then --out
     # (the last, so that no failed check leaves an empty folder behind)
-    data = check_inputs(benches, limit, data_file, out, before_out=lambda: check_model_path(model, path))
-    if (Path(path) / MANIFEST).exists():  # a training checkpoint: verified by content before it loads
-        problem = checkpoint_problem(Path(path))
-        if problem:
-            raise StareError(f"--model {model}: the checkpoint is damaged: {problem}",
-                             hint="evaluate an earlier checkpoint (checkpoints/step-N)")
+    def check_model() -> None:
+        check_model_path(model, path)
+        if (Path(path) / MANIFEST).exists():  # a training checkpoint: verified by content before it loads
+            problem = checkpoint_problem(Path(path))
+            if problem:
+                raise StareError(f"--model {model}: the checkpoint is damaged: {problem}",
+                                 hint="evaluate an earlier checkpoint (checkpoints/step-N)")
+
+    data = check_inputs(benches, limit, data_file, out, before_out=check_model)  # no folder is left by a failure
     if engine_name == "auto":
         engine_name = _auto_engine()
     print(f"stare eval: loading {path} ({engine_name} engine); results go to {out}", file=sys.stderr, flush=True)
