@@ -126,12 +126,13 @@ def load_inputs(paths: list[Path], step: Optional[int] = None, notes: Optional[l
                      + ("other steps" if step is not None else "earlier steps")
                      + " not shown (a run's row is its evaluation at --step, by default its last evaluated step)")
     units: dict[tuple, list[Result]] = {}
+    configs: dict[str, Optional[dict]] = {}  # each run's config.yaml, read once per call
     for r in shown:
         unit = _unit(r)
         res_list = units.setdefault(unit, [])
         res = next((x for x in res_list if r.identity["benchmark"] not in x.metrics), None)
         if res is None:
-            res = _new_result(r)
+            res = _new_result(r, configs)
             res_list.append(res)
         res.metrics[r.identity["benchmark"]] = r.metrics
         res.protocol[r.identity["benchmark"]] = _identity(r)
@@ -177,15 +178,12 @@ def _unit(r: Record) -> tuple:
     return ("eval", where, r.model_path, r.seed_name)
 
 
-_RUN_CONFIGS: dict[str, dict] = {}
-
-
-def _new_result(r: Record) -> Result:
+def _new_result(r: Record, configs: dict[str, Optional[dict]]) -> Result:
     if r.run:
         run = Path(r.run["dir"])
-        cfg = _RUN_CONFIGS.get(str(run))
-        if cfg is None and (run / "config.yaml").exists():
-            cfg = _RUN_CONFIGS[str(run)] = yaml.safe_load((run / "config.yaml").read_text())
+        if str(run) not in configs:
+            configs[str(run)] = yaml.safe_load((run / "config.yaml").read_text()) if (run / "config.yaml").exists() else None
+        cfg = configs[str(run)]
         method = r.identity.get("method")
         label = method if method and method != UNKNOWN else (cfg or {}).get("method", {}).get("name", run.name)
         rows = read_jsonl(run / "metrics.jsonl", strict=True) if _own_run(r) is not None else []
