@@ -775,9 +775,9 @@ def _report(spec: SweepSpec, out: Path, done: list[Cell], paper: Optional[str],
             _by_key([evals[c.name] for c in done if c.method == m]).items(), key=lambda kv: _eval_order(kv[0]))}
         if m != baseline:
             d["paired_vs_baseline"] = paired_differences(per_seed_evals[m], per_seed_evals[baseline])
-        acted = [c for c in done if c.method == m and run_acted(Path(c.run_dir), None)]
-        if acted:
-            d["never_acted"] = {c.seed: run_acted(Path(c.run_dir), None) for c in acted}
+        quiet = {c.seed: why for c in done if c.method == m and (why := run_acted(Path(c.run_dir), None))}
+        if quiet:  # each cell's metrics read once
+            d["never_acted"] = quiet
     cells = cells if cells is not None else done
     summary = {"settings": spec.settings(), "baseline": baseline,
                "cells": {"finished": [c.name for c in cells if c.state == "done"],
