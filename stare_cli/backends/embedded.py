@@ -869,6 +869,7 @@ def ppo_updates(policy: Policy, layer, old: OldPass, tb: TrainBatch, cfg: Recipe
     gen = torch.Generator().manual_seed(O.seed * 7919 + step)
     stats: dict[str, list[float]] = {}
     grad_norms = []
+    skipped = 0
     for _epoch in range(O.ppo_epochs):
         for calls in old.plan:
             mini = [i for c in calls for i in c.rows]
@@ -898,18 +899,29 @@ def ppo_updates(policy: Policy, layer, old: OldPass, tb: TrainBatch, cfg: Recipe
                 scaler.unscale_(opt)
             grad_norms.append(float(torch.nn.utils.clip_grad_norm_(policy.model.parameters(), O.grad_clip)))
             if scaler:
-                scaler.step(opt)
-                scaler.update()
+                skipped += scaler_step(scaler, opt)
             else:
                 opt.step()
             rollout.version += 1
     metrics = {"lr": policy.sched.get_last_lr()[0]}
+    if scaler:  # fp16: optimizer steps the grad scaler skipped (an inf or NaN gradient), this training step
+        metrics["actor/scaler_skipped"] = skipped
+        metrics["actor/scaler_scale"] = float(scaler.get_scale())
     policy.sched.step()
     metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
     for k, v in stats.items():
         metrics[k if k == "loss" or k.startswith("stare/") else f"actor/{k}"] = sum(v) / len(v)
     metrics["micro_batches"] = sum(len(calls) for calls in old.plan)
     return metrics
+
+
+def scaler_step(scaler, opt) -> int:
+    """fp16's optimizer step through its grad scaler; returns 1 where the scaler skipped it (the unscaled
+    gradients held an inf or NaN, so it lowered its scale instead of stepping), else 0."""
+    before = scaler.get_scale()
+    scaler.step(opt)
+    scaler.update()
+    return int(scaler.get_scale() < before)
 
 
 # ------------------------------------------------------------------------------------ 7. records
