@@ -50,12 +50,14 @@ def _train(tmp, quick_toy, method: str, *extra: str) -> Path:
     return run
 
 
-@pytest.fixture(scope="module")
+# Session scope, not module: under `--dist loadgroup` the Ray group's tests from three modules reach their
+# worker interleaved, and a module fixture torn down between them ran this ~6-minute verl training twice.
+@pytest.fixture(scope="session")
 def verl_tmp(tmp_path_factory):
     return tmp_path_factory.mktemp("verl_cpu")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def verl_run(verl_tmp, quick_toy):
     return _train(verl_tmp, quick_toy, "stare-o1")
 

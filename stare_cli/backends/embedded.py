@@ -693,6 +693,10 @@ def load_policy(cfg: Recipe, hw: Hardware, run: RunHandle) -> Policy:
                                                  trust_remote_code=cfg.model.trust_remote_code,
                                                  use_safetensors=True).to(hw.device)
     model.train()
+    if lean_activations(cfg.backend.embedded, model):  # same forward, fewer saved tensors (module docstring there)
+        from stare_cli.backends import lean_activations as lean
+
+        lean.apply(model)
     if cfg.backend.embedded.activation_checkpointing:  # training forwards keep each layer's input only
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     use_gqa_sdpa_on_cpu(model)
@@ -807,6 +811,17 @@ def chunked_head(E, model=None) -> Optional[bool]:
 
 
 AUTO_CHUNK_VOCAB = 4096
+
+
+def lean_activations(E, model) -> bool:
+    """backend.embedded.lean_activations for `model`: 'auto' from a vocabulary of AUTO_CHUNK_VOCAB on (the
+    toys keep autograd's own saved tensors), where the architecture is supported."""
+    from stare_cli.backends import lean_activations as lean
+
+    if E.lean_activations is False or not lean.supports(model):
+        return False
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return E.lean_activations is True or (head is not None and head.weight.shape[0] >= AUTO_CHUNK_VOCAB)
 
 
 def old_pass(policy: Policy, layer, ro: StepRollouts, cfg: Recipe) -> OldPass:

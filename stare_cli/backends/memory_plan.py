@@ -104,8 +104,11 @@ def plan(cfg: Recipe, model_path: str, device: Optional[str] = None, prompt_toke
 
     chunked = (E.lm_head == "chunked" or (E.lm_head == "auto" and vocab >= AUTO_CHUNK_VOCAB)) and lm_head.supports(meta)
     layers = int(getattr(mcfg, "num_hidden_layers", 1))
-    del meta
     half = O.precision in ("bf16", "fp16") and dev == "cuda"
+    from stare_cli.backends.embedded import lean_activations as lean_for
+
+    lean = lean_for(E, meta) and not half  # under autocast the modules keep their own forward
+    del meta
     notes = []
 
     # the largest micro-batch: a token budget, or micro_batch_size rows
@@ -120,7 +123,7 @@ def plan(cfg: Recipe, model_path: str, device: Optional[str] = None, prompt_toke
     groups = math.ceil(rows_per_mb / R.n) if share else rows_per_mb
     kept_tokens = groups * P + rows_per_mb * T
 
-    per_layer, per_layer_full = _activation_bytes_per_token_layer(cfg, model_path, share, half, R.n)
+    per_layer, per_layer_full = _activation_bytes_per_token_layer(cfg, model_path, share, half, R.n, lean)
     # what the layers keep, plus the backward's transient: one layer's full activations (the recomputed one
     # under checkpointing) and the gradient of the hidden states
     activations = per_layer * layers * kept_tokens + per_layer_full * kept_tokens
@@ -158,7 +161,7 @@ def _runtime_bytes() -> int:
 
 
 def _activation_bytes_per_token_layer(cfg: Recipe, model_path: str, share: bool, half: bool,
-                                     n: int) -> tuple[int, int]:
+                                     n: int, lean: bool = False) -> tuple[int, int]:
     """(bytes autograd keeps per token per decoder layer under the recipe's settings, the same without
     activation checkpointing), traced: the trainer's forward on a one- and a two-layer copy of the
     architecture (random weights, a 64-token vocabulary: the LM head is planned apart) on the CPU, in the
@@ -169,6 +172,7 @@ def _activation_bytes_per_token_layer(cfg: Recipe, model_path: str, share: bool,
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from benchmarks.generation.engines import Sample
+    from stare_cli.backends import lean_activations
     from stare_cli.backends.forward import pack, token_logprobs_entropy
 
     E = cfg.backend.embedded
@@ -184,6 +188,8 @@ def _activation_bytes_per_token_layer(cfg: Recipe, model_path: str, share: bool,
         torch.manual_seed(0)
         m = AutoModelForCausalLM.from_config(c, trust_remote_code=cfg.model.trust_remote_code).float()
         m.train()
+        if lean:  # as the trainer applies it (the 64-token copy's vocabulary would say 'off' under 'auto')
+            lean_activations.apply(m)
         if ckpt:
             m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         params = {p.untyped_storage().data_ptr() for p in m.parameters()}

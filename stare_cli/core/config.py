@@ -333,6 +333,13 @@ class EmbeddedBackend(_Strict):
         "architecture's logits are plainly lm_head(hidden) (stare_cli/backends/lm_head.py), else 'full'; 'full': "
         "the model's own logits; 'auto': chunked from a vocabulary of 4,096 tokens on (every real model), full "
         "below (the toys, whose numbers in docs/ were made with it).")
+    lean_activations: Union[Literal["auto"], StrictBool] = Field(
+        "auto", description="Llama-family models (llama, qwen2, qwen3, mistral; SiLU MLP), fp32 compute: the MLP "
+        "keeps gate(x) and up(x) and recomputes SiLU and the product in backward, each RMSNorm keeps its input and "
+        "1/rms (stare_cli/backends/lean_activations.py): the same forward bits, the MLP's gradients bit for bit, "
+        "the norms' gradients up to the order of one three-term sum; SmolLM2: 38% fewer activation bytes per "
+        "token. 'auto': on from a vocabulary of 4,096 tokens (every real model), off for the toys (whose numbers "
+        "in docs/ were made without it); true / false: on / off; ignored under autocast (bf16/fp16).")
     activation_checkpointing: StrictBool = Field(
         False, description="Keep only each decoder layer's input for the backward pass and recompute the rest "
         "(transformers' gradient checkpointing): activation memory per micro-batch drops by about the layer's "
