@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test test-vllm clean
+.PHONY: demo test test-vllm docs clean
 
 # Every test runs under pytest-timeout's limit (pyproject: 300 s, longer for the few marked tests);
 # the whole command also runs under a wall-clock limit, so that a hang outside any test (at
@@ -48,6 +48,11 @@ test-vllm: $(VENV_VLLM)/.stamp
 	$(VENV_VLLM)/bin/python -c "import vllm" # fail here, not as a skipped test, when vLLM does not import
 	OMP_NUM_THREADS=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1 \
 	  $(call LIMIT,1200) $(VENV_VLLM)/bin/python -m pytest -q tests/test_vllm.py
+
+# The documentation site (mkdocs, Material theme) into site/, strict: a broken link or a missing page fails. Its
+# hook regenerates the reference pages (docs/reference/) from the code first; commit them when they change.
+docs: $(VENV)/.stamp-dev,verl,lm-eval,models
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict
 
 clean:
 	rm -rf $(VENV) $(VENV_VLLM) runs .stare-cache baselines/*.so

@@ -4,7 +4,7 @@
 619 flattened keys). We compose our Short-CoT Qwen2.5-Math-7B recipes (STARE-O1 and GRPO-ds) with
 verl 0.9.1's own defaults, flatten them the same way and compare every key present in both: any
 difference must be a row of OFFICIAL_DIFFERENCES (stare_cli/backends/verl_backend.py, shown in the
-README), and every row must still be a difference. The official `stare.*` keys, which verl 0.9 does
+docs/guide/fidelity.md), and every row must still be a difference. The official `stare.*` keys, which verl 0.9 does
 not have, are compared with the method layer rebuilt from the recipe in verl's config."""
 
 from __future__ import annotations
@@ -104,5 +104,5 @@ def test_the_official_stare_keys_reach_the_method_layer(method):
     assert official["algorithm.filter_groups.metric"] == "acc"
 
 
-def test_the_readme_shows_the_table():
-    assert official_differences_markdown() in (REPO / "README.md").read_text()
+def test_the_fidelity_page_shows_the_table():
+    assert official_differences_markdown() in (REPO / "docs" / "guide" / "fidelity.md").read_text()

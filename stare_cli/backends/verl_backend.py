@@ -724,7 +724,7 @@ def ray_killed_for_memory(line: str) -> bool:
 OFFICIAL_DIFFERENCES: list[tuple[str, str, str]] = [
     ("*._target_", "version", "the fork's recipe config classes vs verl 0.9.1's"),
     ("reward_model.*", "version", "verl 0.9 moved reward settings to reward.*; the reward is our manager "
-     "around the method layer (README: Fidelity, reward)"),
+     "around the method layer (docs/guide/fidelity.md, reward)"),
     ("custom_reward_function.*", "version", "verl 0.9 moved it to reward.custom_reward_function (unused: our manager)"),
     ("critic.*", "version", "no critic in GRPO; defaults differ between the versions"),
     ("trainer.rollout_data_dir", "version", "'' in the fork, null in 0.9.1: no dump either way"),
