@@ -1,5 +1,9 @@
 """Loss aggregation over [B, T] token losses, independent of how a batch is split.
 
+Modes (verl 0.9.1's `agg_loss`): token-mean (over the valid tokens), token-sum (their sum: the loss grows
+with the batch's tokens, so its learning rate is not comparable to token-mean's), seq-mean-token-sum,
+seq-mean-token-mean, seq-mean-token-sum-norm (Dr.GRPO's constant divisor).
+
 Pass the counts of the *whole* mini-batch (`num_tokens`, `num_seqs`) when a loss is computed in
 micro-batches or on several data-parallel ranks: the per-part losses then sum to the loss of the
 whole. Without them each call normalises by its own counts (verl's behaviour for dp_size=1).
@@ -13,8 +17,9 @@ from typing import Literal, Optional
 import torch
 from torch import Tensor
 
-AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+AggMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+AGG_MODES: tuple[str, ...] = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                              "seq-mean-token-sum-norm")
 
 
 @dataclass(frozen=True)
@@ -25,12 +30,15 @@ class Agg:
     num_seqs: sequences with at least one valid token in the whole mini-batch (seq-mean-*).
     scale: the constant divisor of seq-mean-token-sum-norm, applied after the seq-mean
         (default: T of the call), as verl 0.9.1.
+    factor: token-sum's multiplier (verl 0.9.1 multiplies each rank's token sum by dp_size, since its
+        ranks' gradients are averaged: the reduced gradient is the global batch's sum); 1 in one process.
     """
 
     mode: AggMode = "token-mean"
     num_tokens: Optional[float] = None
     num_seqs: Optional[float] = None
     scale: Optional[float] = None
+    factor: float = 1.0
 
 
 def counted_agg(mode: AggMode, mask: Tensor, scale: Optional[float] = None) -> Agg:
@@ -54,6 +62,9 @@ def agg_loss(loss_mat: Tensor, mask: Tensor, agg: Agg = Agg()) -> Tensor:
     if agg.mode == "token-mean":
         n = mask.sum() if agg.num_tokens is None else agg.num_tokens
         return (loss_mat * mask).sum() / n
+    if agg.mode == "token-sum":  # verl 0.9's agg_loss: no normaliser, so no global count either
+        loss = (loss_mat * mask).sum()
+        return loss * agg.factor if agg.factor != 1.0 else loss
     if agg.mode in ("seq-mean-token-sum", "seq-mean-token-sum-norm"):
         seq = (loss_mat * mask).sum(-1)
         valid = (mask.sum(-1) > 0).to(loss_mat.dtype)

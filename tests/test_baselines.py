@@ -80,6 +80,7 @@ MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
     "mode,expect",
     [
         ("token-mean", 7 / 3),  # (1 + 2 + 4) / 3 tokens
+        ("token-sum", 7.0),  # 1 + 2 + 4: no normaliser
         ("seq-mean-token-sum", 3.5),  # ((1 + 2) + 4) / 2 sequences
         ("seq-mean-token-mean", 2.75),  # (1.5 + 4) / 2
         ("seq-mean-token-sum-norm", 3.5 / 3),  # seq-mean-token-sum / T (= 3)
@@ -89,7 +90,8 @@ def test_aggregation_hand_computed(mode, expect):
     assert agg_loss(LOSS, MASK, Agg(mode)).item() == pytest.approx(expect)
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("mode", ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                                  "seq-mean-token-sum-norm"])
 def test_aggregation_independent_of_micro_batch_split(mode):
     g = torch.Generator().manual_seed(0)
     loss = torch.randn(12, 9, generator=g, dtype=torch.float64)

@@ -44,6 +44,9 @@ def _layer(method: str, scope: str, tokens) -> MethodLayer:
          "optim.micro_batch_size=6", "optim.train_batch_size=6", "optim.mini_batch_size=6", "rollout.n=4",
          "rollout.max_prompt_tokens=12", "rollout.max_response_tokens=40", "eval.benchmarks=[]",
          "method.overlong.buffer=8"]
+    if method.endswith("+token-sum"):  # verl 0.9's token-sum aggregation (issue 71), the loss and the entropy bonus
+        method = method.removesuffix("+token-sum")
+        o.append("method.loss_agg=token-sum")
     if method == "entropy-reg":
         o.append("method.entropy_coef=0.05")
     if method == "stapo":  # the fixture's pi >= e^-3.01 = 0.049 and H ~ U(0, 1): thresholds that select some tokens
@@ -203,7 +206,9 @@ def _verl(layer: MethodLayer, b: dict):
 CASES = [(m, "official", 160) for m in METHODS] + [("stare-o1", "batch", 160), ("stare-c2", "batch", 160),
                                                   ("stare-c2", "official", None), ("grpo-ds", "official", None),
                                                   ("clip-cov+anneal", "official", 160),
-                                                  ("kl-cov+anneal", "official", 160), ("stapo", "official", None)]
+                                                  ("kl-cov+anneal", "official", 160), ("stapo", "official", None),
+                                                  ("stare-o1+token-sum", "official", 160),
+                                                  ("entropy-reg+token-sum", "official", None)]
 
 
 @pytest.mark.parametrize("method,scope,tokens", CASES, ids=[f"{m}-{s}-{t}" for m, s, t in CASES])

@@ -102,7 +102,8 @@ def test_kl_cov_matches_verl(seed):
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("mode", ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                                  "seq-mean-token-sum-norm"])
 def test_aggregation_matches_verl(seed, mode):
     loss_mat, _, _, mask = _inputs(seed)
     assert_close(agg_loss(loss_mat, mask, Agg(mode)), core_algos.agg_loss(loss_mat, mask, mode))
@@ -163,3 +164,19 @@ def test_registered_layer_loss_equals_verl_builtins(seed, method, verl_fn, cfg_k
                                               loss_agg_mode=layer.cfg.loss_agg, config=cfg)
     assert_close(ours, ref)
     assert m["actor/ppo_kl"] == pytest.approx(ref_m["actor/ppo_kl"], abs=1e-6)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("mode", ["token-mean", "token-sum", "seq-mean-token-mean"])
+def test_aggregation_on_two_data_parallel_ranks_matches_verl(seed, mode):
+    """verl_ext.verl_agg turns verl's global batch info into our Agg: on dp_size 2 each rank's loss is
+    verl's (token-sum: the rank's sum x 2, since the ranks' gradients are averaged)."""
+    from types import SimpleNamespace
+
+    from stare_cli.backends.verl_ext import verl_agg
+
+    loss_mat, _, _, mask = _inputs(seed)
+    n_tok, n_seq = int(mask.sum()) * 2, int((mask.sum(-1) > 0).sum()) * 2  # this rank's half of the batch
+    cfg = SimpleNamespace(global_batch_info={"dp_size": 2, "batch_num_tokens": n_tok, "global_batch_size": n_seq})
+    assert_close(agg_loss(loss_mat, mask, verl_agg(mode, cfg)),
+                 core_algos.agg_loss(loss_mat, mask, mode, dp_size=2, batch_num_tokens=n_tok, global_batch_size=n_seq))

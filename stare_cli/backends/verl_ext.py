@@ -349,7 +349,8 @@ def verl_agg(loss_agg_mode: str, config: Any):
     dp = info.get("dp_size", 1) or 1
     n_tok, n_seq = info.get("batch_num_tokens"), info.get("global_batch_size")
     return Agg(loss_agg_mode, num_tokens=None if n_tok is None else n_tok / dp,
-               num_seqs=None if n_seq is None else n_seq / dp, scale=info.get("loss_scale_factor"))
+               num_seqs=None if n_seq is None else n_seq / dp, scale=info.get("loss_scale_factor"),
+               factor=float(dp) if loss_agg_mode == "token-sum" else 1.0)
 
 
 def layer_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,

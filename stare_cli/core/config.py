@@ -263,8 +263,10 @@ class MethodConfig(_Strict):
     clip_low: StrictFloat = Field(0.2, gt=0, lt=1, description="PPO clip below 1 (epsilon_low).")
     clip_high: StrictFloat = Field(0.28, gt=0, description="PPO clip above 1 (epsilon_high, clip-higher).")
     dual_clip: Optional[StrictFloat] = Field(10.0, gt=1, description="Dual-clip c for negative advantages; None: off.")
-    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
-        "token-mean", description="How token losses become one number."
+    loss_agg: Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                      "seq-mean-token-sum-norm"] = Field(
+        "token-mean", description="How token losses become one number (verl 0.9.1's agg_loss modes; token-sum: the "
+        "plain sum over the batch's valid tokens, whose gradient grows with the batch: scale optim.lr down with it)."
     )
     dynamic_sampling: StrictBool = Field(True, description="Drop groups whose rewards are all equal (DAPO).")
     entropy_coef: StrictFloat = Field(0.0, ge=0, description="Entropy bonus coefficient (entropy regularisation).")
