@@ -43,6 +43,7 @@ _DS = {  # the GRPO-ds recipe every baseline shares
     "method.clip_high": 0.28,
     "method.overlong.enable": False,
     "method.entropy_coef": 0.0,
+    "method.adaptive_entropy.enable": False,
     "method.adv_estimator": "grpo",
 }
 
@@ -108,6 +109,12 @@ METHODS: dict[str, MethodSpec] = {
             "GRPO-ds, A' = w A with w = exp(-(c - mean c)^2 / (2 var c)) on the centred covariance "
             "c = (log pi - mean)(A - mean): hyperparameter-free",
             cov_kernel=True, in_table2=False, defaults=_ds(),
+        ),
+        MethodSpec(
+            "adaptive-entropy", "AdaptiveEnt", "arXiv 2505.22312 (Skywork-OR1)",
+            "GRPO-ds + an entropy bonus alpha H whose coefficient steps by delta toward a target entropy "
+            "(on only while H < target; c in [0, 0.005], delta 1e-4, target 0.2)",
+            in_table2=False, defaults=_ds(method__adaptive_entropy__enable=True),
         ),
         MethodSpec(
             "stare-o1", "STARE-O1", "arXiv 2606.19236", "GRPO-ds + W on the top-P surprisal tokens of T+ while H < H_tgt",

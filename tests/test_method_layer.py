@@ -49,6 +49,8 @@ def _layer(method: str, scope: str, tokens) -> MethodLayer:
         o.append("method.loss_agg=token-sum")
     if method == "entropy-reg":
         o.append("method.entropy_coef=0.05")
+    if method == "adaptive-entropy":  # a coefficient at step 1, so that the bonus acts in the loss compared
+        o.append("method.adaptive_entropy.coef_init=0.004")
     if method == "stapo":  # the fixture's pi >= e^-3.01 = 0.049 and H ~ U(0, 1): thresholds that select some tokens
         o += ["method.stapo.tau_p=0.2", "method.stapo.tau_h_quantile=0.3"]
     if method.endswith("+anneal"):  # step 3 of 5 on a cosine to 0.2: factor 0.2 + 0.8 (1 + cos(pi / 2)) / 2 = 0.6

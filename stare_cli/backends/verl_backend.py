@@ -282,14 +282,18 @@ TABLE: list[Row] = [
                    c.rollout.max_response_tokens if c.method.loss_agg == "seq-mean-token-sum-norm" else None}),
     Row(("method.entropy_coef",), "layer", "the method layer adds the entropy bonus inside the policy loss; verl's "
         "entropy_coeff stays 0 so it is not added twice",
-        lambda c: {f"{A}.entropy_coeff": 0.0, f"{A}.calculate_entropy": c.method.entropy_coef > 0 or c.method.name == "entro-adv"}),
+        lambda c: {f"{A}.entropy_coeff": 0.0, f"{A}.calculate_entropy": c.method.entropy_coef > 0 or c.method.name == "entro-adv"
+                   or c.method.adaptive_entropy.enable}),
     Row(tuple(f"method.{k}" for k in ("overlong.enable", "overlong.buffer", "overlong.factor", "stare.P", "stare.W",
                                       "stare.M", "stare.h_tgt", "stare.adaptive", "stare.alpha", "stare.w_max",
                                       "stare.m_min", "stare.scope", "clip_cov.ratio", "clip_cov.cov_lb",
                                       "clip_cov.cov_ub", "kl_cov.ratio", "kl_cov.coef", "gspo.clip_low",
                                       "gspo.clip_high", "entro_adv.alpha", "entro_adv.kappa", "top_entropy_frac",
                                       "w_reinforce_lambda", "stapo.tau_p", "stapo.tau_h_quantile",
-                                      "cov_anneal.schedule", "cov_anneal.end", "cov_anneal.steps")),
+                                      "cov_anneal.schedule", "cov_anneal.end", "cov_anneal.steps",
+                                      "adaptive_entropy.enable", "adaptive_entropy.target", "adaptive_entropy.coef_init",
+                                      "adaptive_entropy.coef_min", "adaptive_entropy.coef_max",
+                                      "adaptive_entropy.delta")),
         "layer", "the method layer inside verl's processes"),
     Row(("reward.fn", "reward.format_penalty", "reward.timeout_s"), "layer", "the method layer's reward, as verl's "
         "reward manager", lambda c: {"reward.reward_manager.source": "importlib",

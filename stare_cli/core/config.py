@@ -245,6 +245,26 @@ class CovAnnealConfig(_Strict):
                                        "factor stays at `end` after them.")
 
 
+class AdaptiveEntropyConfig(_Strict):
+    enable: StrictBool = Field(False, description="An entropy bonus whose coefficient steers toward `target` "
+                               "(Skywork-OR1, arXiv 2505.22312; baselines/entropy_control.py); the adaptive-entropy "
+                               "method sets it. Not with STARE, whose gate is the other controller.")
+    target: StrictFloat = Field(0.2, gt=0, description="Target token entropy (Skywork-OR1's 7b_8k.sh: 0.2).")
+    coef_init: StrictFloat = Field(0.0, ge=0, description="The coefficient at step 1 (the released scripts' "
+                                   "actor.entropy_coeff: 0.0).")
+    coef_min: StrictFloat = Field(0.0, ge=0, description="Lower clip of the coefficient (7b_8k.sh: 0).")
+    coef_max: StrictFloat = Field(0.005, ge=0, description="Upper clip of the coefficient (7b_8k.sh: 0.005).")
+    delta: StrictFloat = Field(1e-4, gt=0, description="Step of the coefficient per training step, up while the "
+                               "entropy is below the target, down otherwise (7b_8k.sh: 0.0001).")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "AdaptiveEntropyConfig":
+        if not self.coef_min <= self.coef_init <= self.coef_max:
+            raise ValueError(f"method.adaptive_entropy: coef_min <= coef_init <= coef_max must hold "
+                             f"({self.coef_min}, {self.coef_init}, {self.coef_max})")
+        return self
+
+
 class GSPOConfig(_Strict):
     clip_low: StrictFloat = Field(3e-4, gt=0, description="Sequence-ratio clip below 1 (GSPO paper).")
     clip_high: StrictFloat = Field(4e-4, gt=0, description="Sequence-ratio clip above 1 (GSPO paper).")
@@ -278,6 +298,7 @@ class MethodConfig(_Strict):
     stapo: StapoConfig = Field(default_factory=StapoConfig)
     gspo: GSPOConfig = Field(default_factory=GSPOConfig)
     entro_adv: EntroAdvConfig = Field(default_factory=EntroAdvConfig)
+    adaptive_entropy: AdaptiveEntropyConfig = Field(default_factory=AdaptiveEntropyConfig)
     top_entropy_frac: StrictFloat = Field(0.2, gt=0, le=1, description="80/20: share of highest-entropy tokens trained.")
     w_reinforce_lambda: StrictFloat = Field(0.1, ge=0, description="W-REINFORCE weight of positive samples.")
 
@@ -289,6 +310,9 @@ class MethodConfig(_Strict):
         if self.cov_anneal.schedule != "none" and spec is not None and spec.loss not in ("clip_cov", "kl_cov"):
             raise ValueError(f"method.cov_anneal.schedule ({self.cov_anneal.schedule!r}) anneals Clip-Cov and KL-Cov "
                              f"only; method {spec.name} does not read it (set it to 'none')")
+        if self.adaptive_entropy.enable and spec is not None and spec.stare:
+            raise ValueError(f"method.adaptive_entropy.enable: {spec.name} has its own entropy controller (STARE's "
+                             "gate at method.stare.h_tgt); use the adaptive-entropy method, or set it to false")
         return self
 
 

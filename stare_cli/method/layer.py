@@ -51,6 +51,7 @@ from baselines import (
     w_reinforce_advantage,
 )
 from baselines.aggregation import counted_agg
+from baselines.entropy_control import AdaptiveEntropyController
 from baselines.losses import clip_cov_loss, entropy_bonus, gspo_loss, kl_cov_loss, ppo_clip_loss
 from baselines.micro_batches import LossCall, official_loss_calls
 from baselines.registry import MethodSpec
@@ -142,19 +143,20 @@ class RolloutScores:
 
 @dataclass(frozen=True)
 class StareState:
-    """What a loss call needs from the controller (the official code passes the same through the
-    batch's meta_info)."""
+    """What a loss call needs from the step's controller (the official code passes the same through the
+    batch's meta_info): STARE's gate and weights, or the adaptive entropy bonus's coefficient."""
 
     gate: bool
     W: float
     M: float
+    entropy_coef: float = 0.0  # adaptive entropy control's alpha for this step (0 for STARE)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"gate": bool(self.gate), "W": float(self.W), "M": float(self.M)}
+        return {"gate": bool(self.gate), "W": float(self.W), "M": float(self.M), "entropy_coef": float(self.entropy_coef)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "StareState":
-        return cls(gate=bool(d["gate"]), W=float(d["W"]), M=float(d["M"]))
+        return cls(gate=bool(d["gate"]), W=float(d["W"]), M=float(d["M"]), entropy_coef=float(d.get("entropy_coef", 0.0)))
 
 
 @dataclass
@@ -203,11 +205,15 @@ class MethodLayer:
         self.recipe = recipe
         self.spec = spec
         self.cfg = recipe.method
-        self.controller: Optional[StareController] = None
+        self.controller: Optional[Union[StareController, AdaptiveEntropyController]] = None
         if spec.stare:
             s = self.cfg.stare
             self.controller = StareController(variant=spec.stare, P=s.P, W=s.W, M=s.M, h_tgt=s.h_tgt,
                                               adaptive=s.adaptive, alpha=s.alpha, w_max=s.w_max, m_min=s.m_min)
+        elif self.cfg.adaptive_entropy.enable:
+            a = self.cfg.adaptive_entropy
+            self.controller = AdaptiveEntropyController(target=a.target, coef=a.coef_init, coef_min=a.coef_min,
+                                                        coef_max=a.coef_max, delta=a.delta)
         self._reward_fn = None
 
     @classmethod
@@ -225,8 +231,9 @@ class MethodLayer:
 
     @property
     def needs_entropy_in_loss(self) -> bool:
-        """Whether loss calls need the current policy's token entropy (EntroAdv, the entropy bonus)."""
-        return self.spec.entro_adv or self.cfg.entropy_coef > 0
+        """Whether loss calls need the current policy's token entropy (EntroAdv, the entropy bonus, the
+        adaptive one included)."""
+        return self.spec.entro_adv or self.cfg.entropy_coef > 0 or self.cfg.adaptive_entropy.enable
 
     # ---- 1. reward
     def reward_function(self, workers: int = 0):
@@ -277,10 +284,18 @@ class MethodLayer:
 
     # ---- 4. controller
     def begin_step(self, entropy: float) -> tuple[Optional[StareState], dict[str, float]]:
-        """Update the STARE controller with the batch's token-mean entropy H (once per step);
-        returns the state for this step's loss calls (None for other methods) and its metrics."""
+        """Update the step's controller with the batch's token-mean entropy H (once per step); returns the
+        state for this step's loss calls (None for methods without a controller) and its metrics. STARE's
+        gate reads this step's H; adaptive entropy control's coefficient is the one set by the steps before
+        (Skywork-OR1 updates it after each step), then H moves it for the next step."""
         if self.controller is None:
             return None, {}
+        if isinstance(self.controller, AdaptiveEntropyController):
+            a = self.controller
+            coef = a.coefficient
+            a.update(entropy)
+            return StareState(False, 1.0, 1.0, coef), {"entropy_control/coef": coef,
+                                                      "entropy_control/next_coef": a.coefficient}
         c = self.controller
         c.update(entropy)
         return StareState(c.gate, c.W, c.M), {"stare/gate": float(c.gate), "stare/W": c.W, "stare/M": c.M}
@@ -399,10 +414,15 @@ class MethodLayer:
             extra["cov_anneal"] = s
         else:  # pragma: no cover - MethodSpec.loss is a closed Literal
             raise ValueError(spec.loss)
-        if cfg.entropy_coef > 0:
+        coef = cfg.entropy_coef
+        if cfg.adaptive_entropy.enable:
+            if x.stare is None:
+                raise ValueError("adaptive entropy control needs this step's state (begin_step)")
+            coef += x.stare.entropy_coef
+        if coef > 0:
             if x.entropy is None:
                 raise ValueError("the entropy bonus needs the current policy's token entropy")
-            bonus = entropy_bonus(x.entropy, x.mask, cfg.entropy_coef, x.agg)
+            bonus = entropy_bonus(x.entropy, x.mask, coef, x.agg)
             stats["entropy_bonus"] = bonus.detach()
             loss = loss + bonus
         stats.update(extra)
