@@ -6,7 +6,7 @@ STAPO (arXiv 2602.15620, "Silencing Rare Spurious Tokens"): a token t is *spurio
 its update is silenced (mask M_t = 1 removes it from the loss) and the loss is renormalised over the
 remaining tokens. The paper's defaults as reported: tau_p = 0.01, tau_h = the 5th percentile of the
 token-entropy distribution (about 0.01% of tokens end up spurious).
-Choices where the paper as we could read it is silent (stated here and in the README's Fidelity
+Choices where the paper as we could read it is silent (stated here and in docs/guide/fidelity.md's Fidelity
 section; no official code was found):
 - pi and H are the rollout policy's (the old-log-prob pass), and the 5th percentile is taken over the
   valid response tokens of the whole training batch, once per step (`spurious_mask` takes whatever

@@ -113,7 +113,7 @@ def train(
     threads: Annotated[Optional[int], typer.Option(min=1, help="torch threads (embedded backend).")] = None,
     device: Annotated[
         Optional[Device],
-        typer.Option(help="Override the backend's device; verl with cpu: the CPU debug path (README, 'verl on CPU')."),
+        typer.Option(help="Override the backend's device; verl with cpu: the CPU debug path (docs/guide/backends.md, 'verl on CPU')."),
     ] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="verl: print the generated overrides and exit; embedded: "
                                           "print the memory plan of a training step (by part, and its peak) and exit.")] = False,

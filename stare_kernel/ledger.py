@@ -36,7 +36,7 @@ RECORDS = "records"  # the folder of records, beside samples.jsonl
 UNKNOWN = "unknown"  # an identity field an older results file does not record
 TRAINED = "trained"  # the `weights` of a training run's evaluation: a function of recipe, seed and step
 
-# The identity, field by field (README, "What a row is"). Two records pool only where all are equal.
+# The identity, field by field (docs/guide/evaluation.md, "What a row is"). Two records pool only where all are equal.
 IDENTITY_FIELDS: tuple[str, ...] = (
     "ledger",             # record format (0: read from an older results file, its missing fields 'unknown')
     "benchmark",          # registry name, e.g. aime24

@@ -127,7 +127,7 @@ def _mathruler_check(answer: str, gold: str) -> bool:
 
     try:
         return bool(grade_answer(answer, gold))
-    except Exception:  # the official code would propagate this; we score it wrong (stated in the README)
+    except Exception:  # the official code would propagate this; we score it wrong (stated in docs/guide/fidelity.md)
         return False
 
 

@@ -781,7 +781,7 @@ def official_difference(key: str) -> Optional[tuple[str, str]]:
 
 
 def official_differences_markdown() -> str:
-    """The table as the README's Fidelity section shows it."""
+    """The table as docs/guide/fidelity.md shows it."""
     rows = ["| verl key | kind | why it differs from the official run |", "|---|---|---|"]
     rows += [f"| `{p}` | {k} | {r} |" for p, k, r in OFFICIAL_DIFFERENCES]
     return "\n".join(rows) + "\n"

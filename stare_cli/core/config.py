@@ -74,7 +74,7 @@ class ToolsConfig(_Strict):
     wall_s: StrictFloat = Field(10.0, gt=0, description="Wall-clock seconds per tool call.")
     memory_mb: StrictInt = Field(512, ge=32, description="Memory limit of one tool call in MB: the call as a whole (a memory cgroup, swap "
                                    "included) where one can be made, as root typically; else each process's address "
-                                   "space (README, sandbox).")
+                                   "space (docs/guide/reliability.md, sandbox).")
     output_bytes: StrictInt = Field(1024, ge=64, description="Observation size limit (truncated beyond).")
     file_mb: StrictInt = Field(16, ge=1, le=1024, description="Largest file a call may write, and the size of each of "
                                "its private tmpfs (/tmp, HOME, /dev/shm).")
@@ -377,7 +377,7 @@ class VerlBackend(_Strict):
     n_gpus_per_node: StrictInt = Field(8, ge=1, description="GPUs per node.")
     tensor_parallel_size: StrictInt = Field(1, ge=1, description="vLLM rollout tensor parallel size.")
     gpu_memory_utilization: StrictFloat = Field(0.6, gt=0, le=1, description="vLLM share of GPU memory.")
-    device: Literal["cuda", "cpu"] = Field("cuda", description="cpu: the debug path (see README).")
+    device: Literal["cuda", "cpu"] = Field("cuda", description="cpu: the debug path (docs/guide/backends.md).")
     shared_dir: Optional[str] = Field(
         None, description="Absolute directory every node of the cluster sees (NFS, ...): `--emit-script` puts the run "
         "directory, data, checkpoints and tools file under it.")

@@ -12,7 +12,7 @@ runs/<recipe>__<method>__seed<k>__<YYYYmmdd-HHMMSS>/
     samples/           step-<n>.jsonl rollout samples
     eval/              evaluation outputs (results.json, samples.jsonl per benchmark)
 
-Guarantees (README, "Reliability"): run directories are created atomically (two processes never
+Guarantees (docs/guide/reliability.md): run directories are created atomically (two processes never
 share one); a checkpoint directory appears under its final name only once complete and fsynced, with
 a manifest of its files' sizes written last; `latest` moves after that. A resume picks the newest
 checkpoint whose manifest, safetensors header and state match the files, names any it skips, and

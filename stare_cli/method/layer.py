@@ -25,7 +25,7 @@ So the two backends run the same code for:
 Recipes are resolved with their method's defining keys below this layer (stare_cli/core/resolve.py:
 `load_recipe`). The tensor math stays in `baselines/`.
 
-Deviations from the official STARE code (all stated in the README's Fidelity section): ties in
+Deviations from the official STARE code (all stated in docs/guide/fidelity.md): ties in
 surprisal are broken by position (baselines/stare.py); the 80/20 rule and W-REINFORCE are expressed as
 advantage transforms (exact for the PPO-clip family, since the loss is linear in A per token).
 """
