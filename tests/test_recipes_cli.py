@@ -173,10 +173,10 @@ def test_methods_lists_registry(cli):
     names = [m["name"] for m in json.loads(out)]
     assert names == [
         "grpo", "grpo-ds", "dapo", "entropy-reg", "clip-cov", "kl-cov", "80-20", "entro-adv", "gspo",
-        "w-reinforce", "stapo", "cov-kernel", "stare-o1", "stare-c2",
+        "w-reinforce", "stapo", "cov-kernel", "adaptive-entropy", "stare-o1", "stare-c2",
     ]
     after = {m["name"] for m in json.loads(out) if not m["in_table2"]}
-    assert after == {"stapo", "cov-kernel"}  # published after the paper: no Table 2 row
+    assert after == {"stapo", "cov-kernel", "adaptive-entropy"}  # published after the paper: no Table 2 row
 
 
 def test_vllm_rollout_without_vllm_says_how_to_get_it(cli, monkeypatch):
