@@ -158,3 +158,16 @@ def test_forced_selection_paths_restore_the_module(path):
     with check._stare_path(path):
         assert (stare._on_host, stare._kernel) != saved or (path == "numpy" and saved[1] is None)
     assert (stare._on_host, stare._kernel) == saved
+
+
+def test_the_real_shape_step_compares_a_device_peak_with_the_plan(monkeypatch, tmp_path):
+    """The CUDA branch of the real-shape step, its device peak faked (3 GiB): the step runs the trainer's
+    steps 4-6 on the tiny config, and the plan error is (plan / peak - 1), written into both reports."""
+    s = check.Settings.for_run("cpu", quick=True)
+    monkeypatch.setattr(check, "peak_bytes", lambda device: 3 * 2**30)
+    r = check.training_step("tiny", s, False, tmp_path)
+    assert r["peak_gib"] == 3.0 and r["plan_error"] == round(r["planned_gib"] / 3.0 - 1, 3)
+    assert r["finite"] and r["micro_batches"] == 16 and r["rows"] == 16  # one row per emulated official rank
+    part = check.Part("real_shapes", True, 0.0, "x", data={"steps": [r], "generation": []})
+    check.write_report(tmp_path / "rep", [part], s, "now")
+    assert f"peak 3.0 GiB, plan {r['planned_gib']} GiB" in (tmp_path / "rep" / "report.md").read_text()
