@@ -555,7 +555,7 @@ def test_entro_adv_breaks_the_identity():
 def test_registry_names_and_did_you_mean():
     assert list(METHODS) == [
         "grpo", "grpo-ds", "dapo", "entropy-reg", "clip-cov", "kl-cov", "80-20", "entro-adv", "gspo",
-        "w-reinforce", "stapo", "cov-kernel", "stare-o1", "stare-c2",
+        "w-reinforce", "stapo", "cov-kernel", "adaptive-entropy", "stare-o1", "stare-c2",
     ]
     with pytest.raises(StareError, match=r"did you mean 'stare-c2'"):
         check_method("stare-c3")

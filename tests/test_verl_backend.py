@@ -213,7 +213,7 @@ def test_driver_step_runs_the_method_layer():
     a = 0.5 / (0.70710678 + 1e-6)
     want = torch.tensor([[a, 1.1 * a, 1.1 * a, 0], [-0.9 * a, -0.9 * a, -a, -a], [0, 0, 0, 0], [0, 0, 0, 0]])
     assert_close(out.advantages, want)
-    assert out.metrics["stare/gate"] == 1.0 and out.payload["state"] == {"gate": True, "W": 1.1, "M": 0.9}
+    assert out.metrics["stare/gate"] == 1.0 and out.payload["state"] == {"gate": True, "W": 1.1, "M": 0.9, "entropy_coef": 0.0}
     official = MethodLayer.from_recipe(load_recipe("short-cot/qwen2.5-math-7b", "stare-o1", PER_GROUP))
     out = driver_step(official, {}, uids, scores, mask, old, ent, 1)
     assert_close(out.advantages[0], torch.tensor([a, a, a, 0.0]))  # official scope: weights come in the loss

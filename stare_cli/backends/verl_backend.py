@@ -305,7 +305,8 @@ TABLE: list[Row] = [
         "one sampling setting for all benchmarks", _eval, _refuse_eval),
     # backends
     Row(("backend.embedded.device", "backend.embedded.threads", "backend.embedded.length_buckets",
-         "backend.embedded.share_prompts", "backend.embedded.lm_head", "backend.embedded.activation_checkpointing"),
+         "backend.embedded.share_prompts", "backend.embedded.lm_head", "backend.embedded.lean_activations",
+         "backend.embedded.activation_checkpointing"),
         "other",
         "the embedded backend's section"),
     Row(("backend.verl.nnodes", "backend.verl.n_gpus_per_node"), "verl", "",
