@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from benchmarks.data.toy import build_model
+from benchmarks.gpu.check import embedding_like_case
 from benchmarks.generation.engines import Sample
 from stare_cli.backends import lm_head
 from stare_cli.backends.forward import pack, token_logprobs_entropy
@@ -85,17 +86,6 @@ def test_chunked_head_equals_plain_path_against_float64(N, V, d, chunk, bias, t)
         assert err_c <= max(4 * err_p, 64 * U * scale * max(N, d) ** 0.5), (k, err_c, err_p, scale)
 
 
-def _embedding_like_case(N, V, d, seed):
-    """Output embeddings as trained models have them: a large mean row shared by every token (SmolLM2:
-    |mean row| 2.18, mean row norm 3.2) plus a smaller per-token part, and hidden states that make the
-    distribution peaked (entropies of a few hundredths to a few nats, as the real model's)."""
-    g = torch.Generator().manual_seed(seed)
-    W = torch.randn(V, d, generator=g) * (1.5 / d**0.5) + torch.randn(d, generator=g) * (2.0 / d**0.5)
-    h = torch.randn(N, d, generator=g) * torch.linspace(0.5, 6.0, N)[:, None]
-    y = torch.randint(0, V, (N,), generator=g)
-    return h, W, y, g
-
-
 @pytest.mark.parametrize("N,V,d", [(48, 49152, 576), (32, 151936, 128)])
 @pytest.mark.parametrize("with_lp", [False, True])
 def test_entropy_gradient_is_as_exact_as_the_plain_path(N, V, d, with_lp):
@@ -105,9 +95,11 @@ def test_entropy_gradient_is_as_exact_as_the_plain_path(N, V, d, with_lp):
     error is at most the plain path's plus the rounding of the final product itself (gamma_k times the
     absolute product of the float64 dL/dz with the other factor, k its inner length), which no float32
     product avoids. Measured on SmolLM2's real head: 0.04-0.2x the plain path's error (was 1.4-2.5x)."""
-    h, W, y, g = _embedding_like_case(N, V, d, seed=V + N)
-    g_H = torch.full((N,), -1e-3 / N, dtype=torch.float64)  # an entropy bonus's coefficient over a token mean
-    g_lp = torch.randn(N, generator=g).double() / N if with_lp else torch.zeros(N, dtype=torch.float64)
+    # output embeddings as trained models have them (a large mean row shared by every token, SmolLM2: |mean row|
+    # 2.18 against a mean row norm of 3.2), peaked distributions; g_H an entropy bonus's coefficient over a token mean
+    h, W, y, g_lp, g_H = embedding_like_case(N, V, d, seed=V + N)
+    if not with_lp:
+        g_lp = torch.zeros(N, dtype=torch.float64)
     ref = _grads(lambda *a: _plain(*a, 1.0), h, W, None, y, g_lp, g_H, torch.float64)
     plain = _grads(lambda *a: _plain(*a, 1.0), h, W, None, y, g_lp, g_H, torch.float32)
     chunked = _grads(lambda hh, WW, bb, yy: lm_head.head_logprob_entropy(hh, WW, bb, yy, 1.0),
