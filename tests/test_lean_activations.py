@@ -96,13 +96,73 @@ def test_gradients_within_float32_rounding_of_a_float64_reference(kind):
 def test_fewer_bytes_are_saved_by_the_predicted_amount():
     """Per token and layer the MLP keeps 2 x intermediate floats fewer (SiLU's output and the product),
     each RMSNorm one hidden-size float fewer (the normalised input): (2 x 160 + 2 x 64) x 4 bytes = 1,792;
+    the projections after the two norms keep no normalised input (recomputed): 2 x 64 x 4 = 512 more;
     and the final norm 64 x 4 = 256 per token once. 2 layers, 2 x 48 tokens:
-    96 x (2 x 1,792 + 256) = 368,640 bytes."""
+    96 x (2 x (1,792 + 512) + 256) = 466,944 bytes."""
     plain = _model("llama", seed=5)
     leanm = copy.deepcopy(plain)
     lean.apply(leanm)
     ids = torch.randint(0, 96, (2, 48), generator=torch.Generator().manual_seed(6))
-    assert _saved_bytes(plain, ids) - _saved_bytes(leanm, ids) == 96 * (2 * 1792 + 256)
+    assert _saved_bytes(plain, ids) - _saved_bytes(leanm, ids) == 96 * (2 * (1792 + 512) + 256)
+
+
+def _without_recompute(model):
+    """`model` leaner by the norms and MLPs only: the decoder's own forward (no `_NormRecompute`)."""
+    model.model.forward = model.model._stare_plain_forward
+    return model
+
+
+def test_recomputed_norm_outputs_give_the_same_gradients_bit_for_bit():
+    """The projections' saved input is recomputed by the forward's own elementwise products, so every
+    gradient equals the one from the saved tensor exactly; the recompute runs once per norm and backward."""
+    plain = _model("qwen2", seed=11)
+    a, b = copy.deepcopy(plain), copy.deepcopy(plain)
+    lean.apply(a)
+    lean.apply(b)
+    _without_recompute(b)
+    ids = torch.randint(0, 96, (3, 40), generator=torch.Generator().manual_seed(12))
+    w = torch.linspace(-1, 1, 40, dtype=torch.float64)
+    calls = []
+    real = lean._Cell.get
+
+    def counting(self):
+        calls.append(self.value is None)
+        return real(self)
+
+    lean._Cell.get = counting
+    try:
+        la, ga = _grads(a, ids, w)
+    finally:
+        lean._Cell.get = real
+    lb, gb = _grads(b, ids, w)
+    assert torch.equal(la, lb)
+    assert all(torch.equal(ga[k], gb[k]) for k in ga)
+    # per layer: q, k, v (input norm) and the MLP (post-attention norm) unpack; 2 of the 4 recompute
+    assert len(calls) == 2 * 4 and sum(calls) == 2 * 2
+
+
+def test_recompute_composes_with_checkpointing_and_with_an_outer_trace():
+    """Under activation checkpointing the checkpoint's hooks are on top: nothing is registered and the
+    gradients are the plain lean ones; under an outer saved-tensor hook (the memory plan's trace), every
+    tensor that is not recomputed still reaches it."""
+    plain = _model("llama", seed=13)
+    a, b = copy.deepcopy(plain), copy.deepcopy(plain)
+    lean.apply(a)
+    lean.apply(b)
+    _without_recompute(b)
+    a.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = torch.randint(0, 96, (2, 32), generator=torch.Generator().manual_seed(14))
+    w = torch.linspace(-1, 1, 32, dtype=torch.float64)
+    _, ga = _grads(a, ids, w)
+    _, gb = _grads(b, ids, w)
+    assert all(torch.equal(ga[k], gb[k]) for k in ga)
+    c = copy.deepcopy(plain)
+    lean.apply(c)
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: packed.append(x.shape) or x, lambda x: x):
+        y = c.model(input_ids=ids).last_hidden_state
+    assert len(packed) > 0 and y.grad_fn is not None
+    assert not lean._NormRecompute._stack  # the context is left with the forward
 
 
 def test_no_grad_and_autocast_keep_the_modules_own_forward():
