@@ -275,6 +275,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _stop_group(proc) -> None:
+    """SIGTERM to `proc`'s whole process group (vLLM's server and the engine-core process it forks, which
+    outlived a server that failed to start), 30 s for the server to exit, then SIGKILL to whatever of the
+    group is left."""
+    import signal
+    import subprocess
+
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
 def test_the_openai_engine_against_vllms_own_server(cli, tmp_path, smollm2):
     """vLLM's OpenAI-compatible server (`vllm serve`, started here on 127.0.0.1) on the real model:
     `stare eval --engine openai` gets the same greedy responses as the in-process vLLM engine."""
@@ -287,7 +306,8 @@ def test_the_openai_engine_against_vllms_own_server(cli, tmp_path, smollm2):
     log = open(tmp_path / "server.log", "w")
     server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(smollm2),
                                "--dtype", "float32", "--max-model-len", "256", "--host", "127.0.0.1", "--port", str(port),
-                               "--seed", "0"], stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+                               "--seed", "0"], stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy(),
+                              start_new_session=True)  # its engine-core child goes with it (killpg below)
     try:
         deadline = time.monotonic() + 300
         while True:
@@ -304,11 +324,7 @@ def test_the_openai_engine_against_vllms_own_server(cli, tmp_path, smollm2):
                            "--out", str(tmp_path / "api"))
         assert code == 0, err[-2000:]
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        _stop_group(server)
     code, _, err = cli("eval", *args, "--engine", "vllm", "--dtype", "float32", "--out", str(tmp_path / "local"))
     assert code == 0, err[-2000:]
     read = lambda d: [json.loads(x) for x in (tmp_path / d / "words-add-sub" / "samples.jsonl").read_text().splitlines()]  # noqa: E731
