@@ -33,7 +33,14 @@ class MethodSpec:
     top_entropy: bool = False
     stapo: bool = False  # STAPO's spurious-token mask (baselines/token_filters.py)
     cov_kernel: bool = False  # covariance-aware Gaussian-kernel token weights (baselines/token_filters.py)
+    rsi: bool = False  # RSI-S's relative-surprisal interval filter (baselines/token_filters.py)
     in_table2: bool = True  # False: published after the paper, so no Table 2 row to compare with
+    # recipe keys the method reads that have no default (None in the schema): a recipe or override must set
+    # them; `required_why` says why there is no default and `required_example` gives overrides that set them
+    # (both shown when they are missing)
+    required: tuple[str, ...] = ()
+    required_why: str = ""
+    required_example: tuple[str, ...] = ()
     defaults: dict[str, Any] = field(default_factory=dict)
 
 
@@ -46,6 +53,11 @@ _DS = {  # the GRPO-ds recipe every baseline shares
     "method.adaptive_entropy.enable": False,
     "method.adv_estimator": "grpo",
 }
+
+
+def required_hint(spec: "MethodSpec") -> str:
+    """Why `spec`'s required keys have no default, and overrides that set them (for an error or a note)."""
+    return f"{spec.required_why}; for example {' '.join('-o ' + e for e in spec.required_example)}"
 
 
 def _ds(**extra: Any) -> dict[str, Any]:
@@ -103,6 +115,16 @@ METHODS: dict[str, MethodSpec] = {
             "GRPO-ds, silencing spurious tokens (A > 0, pi < tau_p 0.01, H < 5th-percentile entropy): masked out "
             "of the loss, which renormalises over the rest",
             stapo=True, in_table2=False, defaults=_ds(),  # tau_p 0.01, tau_h the 5th entropy percentile: the paper (method.stapo.*)
+        ),
+        MethodSpec(
+            "rsi-s", "RSI-S", "arXiv 2606.31575",
+            "GRPO-ds, training only on tokens whose relative surprisal index -log pi / H lies between "
+            "method.rsi.low and method.rsi.high (no default: the paper's interval was not readable); the others "
+            "leave the loss, which renormalises over the rest",
+            rsi=True, in_table2=False, defaults=_ds(), required=("method.rsi.low", "method.rsi.high"),
+            required_why="the paper's interval could not be read; RSI centres on 1, E[-log pi] = H under the "
+                         "policy's own sampling",
+            required_example=("method.rsi.low=0.5", "method.rsi.high=2.0"),
         ),
         MethodSpec(
             "cov-kernel", "CovKernel", "arXiv 2605.11538",

@@ -18,6 +18,21 @@ section; no official code was found):
 - "renormalise over the remaining tokens" is implemented by removing the spurious tokens from the
   loss mask, so every aggregation (token-mean and the seq-mean modes) divides by the counts without them.
 
+RSI-S (arXiv 2606.31575, "Which Tokens Matter? Adaptive Token Selection for RLVR with the Relative Surprisal
+Index"): the relative surprisal index of a sampled token couples its surprisal with its position's entropy,
+    RSI_t = s_t / H_t,   s_t = -log pi(o_t),   H_t = -sum_v pi(v) log pi(v),
+and RSI-S trains only on the tokens whose RSI lies in a stable interval [low, high], dropping both the
+redundant low-surprisal tokens and the unstable high-surprisal tail. Under the policy's own sampling
+E[s_t] = H_t, so RSI centres on 1 whatever the entropy: that normalisation is what makes the filter
+entropy-adaptive. Only the abstract and two third-party re-implementations (not the authors'; their
+intervals are their own guesses) were readable here, so:
+- the paper's interval is not known: `method.rsi.low` / `method.rsi.high` have no default and the rsi-s
+  method refuses to run without both (stare_cli/core/config.py);
+- choices where the abstract is silent (stated in docs/guide/fidelity.md): pi and H are the rollout
+  policy's (the old-log-prob pass), as for STAPO; the interval is closed; both advantage signs are
+  filtered; dropped tokens leave the loss mask, so every aggregation renormalises over the kept tokens;
+  H_t = 0 gives RSI 0 when s_t = 0 (a certain token: redundant) and an infinite RSI otherwise.
+
 Covariance-aware Gaussian-kernel reweighting (arXiv 2605.11538, "Taming Extreme Tokens"): entropy
 change under softmax policies is driven by the covariance between a token's log-probability and its
 advantage; the per-token covariance term
@@ -83,6 +98,42 @@ def spurious_mask(adv: Tensor, log_prob: Tensor, entropy: Tensor, mask: Tensor, 
     low_p = log_prob.detach() < math.log(tau_p)  # pi < tau_p, compared in log space (no underflow)
     spurious = valid & (adv > 0) & low_p & (entropy.detach() < tau_h)
     return spurious, tau_h
+
+
+def relative_surprisal_index(log_prob: Tensor, entropy: Tensor, mask: Tensor) -> Tensor:
+    """RSI_t = -log pi(o_t) / H_t (module docstring), float32, 0 on invalid tokens.
+
+    Args:
+        log_prob: [B, T] log pi(o_t); entropy: [B, T] token entropies H_t >= 0; mask: [B, T] valid tokens.
+    Returns:
+        rsi: [B, T]; where H_t = 0: 0 if s_t = 0, +inf if s_t > 0.
+    """
+    s = -log_prob.detach().float()
+    H = entropy.detach().float()
+    rsi = torch.where(H > 0, s / H.clamp(min=torch.finfo(torch.float32).tiny),
+                      torch.where(s > 0, torch.inf, 0.0))
+    return torch.where(mask > 0, rsi, 0.0)
+
+
+def rsi_keep_mask(log_prob: Tensor, entropy: Tensor, mask: Tensor, *, low: float,
+                  high: float) -> tuple[Tensor, dict[str, Tensor]]:
+    """RSI-S's selection: keep = valid & low <= RSI <= high (module docstring).
+
+    Args:
+        log_prob, entropy, mask: [B, T] as in `relative_surprisal_index`; low < high: the interval.
+    Returns:
+        keep: [B, T] bool; stats (0-dim, shares of the valid tokens): kept, below (RSI < low), above
+        (RSI > high), and the mean RSI of the valid tokens of finite RSI.
+    """
+    valid = mask > 0
+    rsi = relative_surprisal_index(log_prob, entropy, mask)
+    r64 = rsi.double()  # compared in float64: a float32 comparison would round the ends first (1e-50 -> 0)
+    below, above = valid & (r64 < low), valid & (r64 > high)
+    keep = valid & ~below & ~above
+    n = valid.sum().clamp(min=1).float()
+    finite = valid & torch.isfinite(rsi)
+    mean = torch.where(finite, rsi, 0.0).sum() / finite.sum().clamp(min=1)
+    return keep, {"kept": keep.sum() / n, "below": below.sum() / n, "above": above.sum() / n, "mean": mean}
 
 
 def _centred(x: Tensor, mask: Tensor) -> Tensor:

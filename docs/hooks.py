@@ -53,7 +53,7 @@ def cli_page() -> str:
 
 
 def _md(text) -> str:
-    return " ".join(str(text or "").split()).replace("|", "\\|")
+    return " ".join(("" if text is None else str(text)).split()).replace("|", "\\|")  # False and 0 shown
 
 
 # ---------------------------------------------------------------------------------------- recipe keys
@@ -108,6 +108,8 @@ def _model_of(ann):
 
 def _ann(ann) -> str:
     origin = typing.get_origin(ann)
+    if origin is typing.Annotated:  # StrictInt, StrictFloat, ...: the type they annotate
+        return _ann(typing.get_args(ann)[0])
     if origin is typing.Literal:
         return " \\| ".join(f"`{a}`" for a in typing.get_args(ann))
     if origin is typing.Union:
@@ -163,9 +165,12 @@ def methods_page() -> str:
         keys = ", ".join(f"`{k}={_md(v)}`" for k, v in sorted(m.defaults.items()))
         extra = [x for x, on in (("STARE " + (m.stare or "").upper(), bool(m.stare)), ("EntroAdv", m.entro_adv),
                                  ("top-entropy mask", m.top_entropy), ("STAPO mask", m.stapo),
+                                 ("RSI interval", m.rsi),
                                  ("covariance kernel", m.cov_kernel)) if on]
         out.append(f"- `{m.name}` (advantage `{m.advantage}`, loss `{m.loss}`"
-                   + (f"; {', '.join(extra)}" if extra else "") + f"): {keys}")
+                   + (f"; {', '.join(extra)}" if extra else "") + f"): {keys}"
+                   + (f"; needs, without a default: {', '.join(f'`{k}`' for k in m.required)} ({_md(m.required_why)})"
+                      if m.required else ""))
     return "\n".join(out).rstrip() + "\n"
 
 

@@ -69,6 +69,7 @@ ROW_FIELDS = ("weights", "method", "method_params")
 ACTING = {
     "stare/gate": "STARE's gate never opened",
     "actor/kl_frac": "KL-Cov's penalty never applied",
+    "rsi/dropped": "RSI-S's interval never dropped a token",
 }
 
 # Recipe keys that do not make one run's evaluation a different thing from another's: the seed makes

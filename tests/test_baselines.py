@@ -555,7 +555,7 @@ def test_entro_adv_breaks_the_identity():
 def test_registry_names_and_did_you_mean():
     assert list(METHODS) == [
         "grpo", "grpo-ds", "dapo", "entropy-reg", "clip-cov", "kl-cov", "80-20", "entro-adv", "gspo",
-        "w-reinforce", "stapo", "cov-kernel", "adaptive-entropy", "stare-o1", "stare-c2",
+        "w-reinforce", "stapo", "rsi-s", "cov-kernel", "adaptive-entropy", "stare-o1", "stare-c2",
     ]
     with pytest.raises(StareError, match=r"did you mean 'stare-c2'"):
         check_method("stare-c3")
@@ -572,7 +572,7 @@ def test_registry_names_and_did_you_mean():
 def test_every_method_loss_is_finite_and_differentiable(name):
     from stare_cli.method.layer import StareState
 
-    layer = MethodLayer.from_recipe(load_recipe(None, name))
+    layer = MethodLayer.from_recipe(load_recipe(None, name, list(METHODS[name].required_example)))
     new, old, adv, mask = _batch(4, dtype=torch.float32)
     new.requires_grad_(True)
     ent = torch.rand_like(new, requires_grad=True)

@@ -53,6 +53,8 @@ def _layer(method: str, scope: str, tokens) -> MethodLayer:
         o.append("method.adaptive_entropy.coef_init=0.004")
     if method == "stapo":  # the fixture's pi >= e^-3.01 = 0.049 and H ~ U(0, 1): thresholds that select some tokens
         o += ["method.stapo.tau_p=0.2", "method.stapo.tau_h_quantile=0.3"]
+    if method == "rsi-s":  # s ~ U(0.01, 3.01), H ~ U(0, 1): RSI spreads over [0.01, inf), the interval keeps a part
+        o += ["method.rsi.low=0.5", "method.rsi.high=4"]
     if method.endswith("+anneal"):  # step 3 of 5 on a cosine to 0.2: factor 0.2 + 0.8 (1 + cos(pi / 2)) / 2 = 0.6
         method = method.removesuffix("+anneal")
         o += ["method.cov_anneal.schedule=cosine", "method.cov_anneal.end=0.2", "optim.total_steps=5"]
@@ -209,6 +211,7 @@ CASES = [(m, "official", 160) for m in METHODS] + [("stare-o1", "batch", 160), (
                                                   ("stare-c2", "official", None), ("grpo-ds", "official", None),
                                                   ("clip-cov+anneal", "official", 160),
                                                   ("kl-cov+anneal", "official", 160), ("stapo", "official", None),
+                                                  ("rsi-s", "official", None),
                                                   ("stare-o1+token-sum", "official", 160),
                                                   ("entropy-reg+token-sum", "official", None)]
 
@@ -221,7 +224,7 @@ def test_one_batch_through_both_backends_gives_identical_advantages_weights_and_
     adv_v, mask_v, loss_v, grad_v = _verl(_layer(method, scope, tokens), b)
     assert_close(adv_v, adv_e)
     assert torch.equal(mask_v, mask_e)
-    if method == "stapo":  # tokens were silenced: both backends renormalise over the same remaining tokens
+    if method in ("stapo", "rsi-s"):  # tokens were dropped: both backends renormalise over the same remaining ones
         assert 0 < (b["mask"] - mask_e).sum() < b["mask"].sum()
     assert_close(loss_v, loss_e)
     # d loss / d log pi carries every token's effective advantage (w * A): identical weights

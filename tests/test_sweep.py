@@ -440,8 +440,8 @@ def test_an_interval_over_seeds_holds_only_values_the_mean_can_take(tmp_path):
 
 
 def test_summary_carries_each_methods_own_numbers():
-    """STAPO's silenced share, the covariance kernel's mean weight, STARE's L+/L- shares and KL-Cov's
-    penalised share are averaged over the steps that logged them; methods that never log them have no
+    """STAPO's silenced share, RSI-S's kept share, the covariance kernel's mean weight, STARE's L+/L- shares
+    and KL-Cov's penalised share are averaged over the steps that logged them; methods that never log them have no
     such key, and the report shows "–" there."""
     from stare_cli.analysis.sweep import dynamics_summary, report_markdown, seeds_summary
 
@@ -451,6 +451,7 @@ def test_summary_carries_each_methods_own_numbers():
     stare = [{**r, "stare/gate": gt, "stare/sel_pos": p, "stare/sel_neg": 0.0}
              for r, gt, p in zip(base, (0.0, 1.0, 1.0, 0.0), (0.02, 0.04, 0.03, 0.03))]
     klcov = [{**r, "actor/kl_frac": 0.002} for r in base]
+    rsi = [{**r, "rsi/kept": f} for r, f in zip(base, (0.4, 0.5, 0.3, 0.4))]
     clipcov = [{**r, "actor/clip_frac": f} for r, f in zip(base, (0.0005, 0.0007, 0.0, 0.0004))]
     s, k, g = dynamics_summary(stapo, 0.3), dynamics_summary(covk, 0.3), dynamics_summary(base, 0.3)
     st, kl = dynamics_summary(stare, 0.3), dynamics_summary(klcov, 0.3)
@@ -460,18 +461,21 @@ def test_summary_carries_each_methods_own_numbers():
     assert kl["kl_cov_share"] == pytest.approx(0.002)
     assert "silenced_share" not in g and "kernel_mean_w" not in g and g["gate_on_share"] == 0.0
     assert "stare_sel_pos" not in g and "kl_cov_share" not in g and "cut_share" not in g
+    rs = dynamics_summary(rsi, 0.3)
+    assert rs["rsi_kept_share"] == pytest.approx(0.4) and "rsi_kept_share" not in g  # (0.4 + 0.5 + 0.3 + 0.4) / 4
     cc = dynamics_summary(clipcov, 0.3)
     assert cc["cut_share"] == pytest.approx(0.0004)  # (0.0005 + 0.0007 + 0 + 0.0004) / 4
     methods = {name: {"seeds": {1: x}, "over_seeds": seeds_summary([x]), "evaluations": {}}
                for name, x in (("stapo", s), ("cov-kernel", k), ("grpo-ds", g), ("stare-o1", st), ("kl-cov", kl),
-                               ("clip-cov", cc))}
+                               ("clip-cov", cc), ("rsi-s", rs))}
     report = report_markdown({"settings": {"recipe": "tiny/explore"}, "methods": methods})
     z = "0.0000"  # one seed each: the value alone, no spread and no interval
-    assert f"| stapo | {z} | – | – | 0.0100 | – | – | – |" in report
-    assert f"| grpo-ds | {z} | – | – | – | – | – | – |" in report
-    assert f"| stare-o1 | 0.5000 | 0.0300 | {z} | – | – | – | – |" in report
-    assert f"| kl-cov | {z} | – | – | – | – | 0.0020 | – |" in report
-    assert f"| clip-cov | {z} | – | – | – | – | – | 0.0004 |" in report
+    assert f"| stapo | {z} | – | – | 0.0100 | – | – | – | – |" in report
+    assert f"| grpo-ds | {z} | – | – | – | – | – | – | – |" in report
+    assert f"| stare-o1 | 0.5000 | 0.0300 | {z} | – | – | – | – | – |" in report
+    assert f"| kl-cov | {z} | – | – | – | – | – | 0.0020 | – |" in report
+    assert f"| clip-cov | {z} | – | – | – | – | – | – | 0.0004 |" in report
+    assert f"| rsi-s | {z} | – | – | – | 0.4000 | – | – | – |" in report
 
 
 def test_over_seeds_a_sweep_gives_the_same_interval_as_compare():

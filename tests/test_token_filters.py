@@ -1,4 +1,4 @@
-"""STAPO's spurious-token mask, the covariance Gaussian-kernel weights and the Clip-Cov/KL-Cov annealing
+"""STAPO's spurious-token mask, RSI-S's relative-surprisal interval, the covariance Gaussian-kernel weights and the Clip-Cov/KL-Cov annealing
 (baselines/token_filters.py), by hand and through the method layer; the invariants each paper states."""
 
 from __future__ import annotations
@@ -7,11 +7,14 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.testing import assert_close
 
 from baselines.aggregation import Agg, agg_loss, masked_mean
 from baselines.losses import clip_cov_loss, kl_cov_loss, ppo_clip_token_losses
-from baselines.token_filters import anneal_factor, covariance_kernel_weights, masked_quantile, spurious_mask
+from baselines.token_filters import (anneal_factor, covariance_kernel_weights, masked_quantile,
+                                    relative_surprisal_index, rsi_keep_mask, spurious_mask)
 from stare_kernel.errors import StareError
 from stare_cli.core.resolve import load_recipe
 from stare_cli.method.layer import BatchInputs, LossInputs, MethodLayer
@@ -90,6 +93,105 @@ def test_stapo_with_no_spurious_token_is_grpo_ds():
     t1, t2 = stapo.transform_batch(x), ds.transform_batch(x)
     assert torch.equal(t1.mask, t2.mask) and torch.equal(t1.advantages, t2.advantages)
     assert t1.metrics["stapo/spurious_frac"] == 0.0
+
+
+# ------------------------------------------------------------------------------------- RSI-S
+def test_relative_surprisal_index_hand_computed():
+    # RSI = -log pi / H:
+    #   t0: pi 0.5 (s = ln 2 = 0.6931), H 0.6931            -> 1.0 (a token as surprising as its position)
+    #   t1: pi 0.9 (s = 0.10536),       H 0.5                -> 0.21072
+    #   t2: pi 0.01 (s = 4.6052),       H 0.5                -> 9.2103
+    #   t3: pi 1 (s = 0),               H 0 (a certain token) -> 0
+    #   t4: pi 0.2 (s = 1.6094),        H 0 (rounded away)    -> +inf
+    #   t5: masked out                                        -> 0
+    pi = torch.tensor([[0.5, 0.9, 0.01, 1.0, 0.2, 0.3]])
+    H = torch.tensor([[math.log(2), 0.5, 0.5, 0.0, 0.0, 0.4]])
+    mask = torch.tensor([[1.0, 1, 1, 1, 1, 0]])
+    rsi = relative_surprisal_index(pi.log(), H, mask)
+    assert rsi[0, :3].tolist() == pytest.approx([1.0, 0.21072, 9.2103], rel=1e-4)
+    assert rsi[0, 3] == 0 and math.isinf(rsi[0, 4]) and rsi[0, 5] == 0
+    # interval [0.2, 1.0], closed: t0 (1.0) and t1 (0.21) kept; t2 and t4 above; t3 below
+    keep, stats = rsi_keep_mask(pi.log(), H, mask, low=0.2, high=1.0)
+    assert keep.tolist() == [[True, True, False, False, False, False]]
+    assert float(stats["kept"]) == pytest.approx(2 / 5) and float(stats["below"]) == pytest.approx(1 / 5)
+    assert float(stats["above"]) == pytest.approx(2 / 5)
+    # mean over the valid tokens of finite RSI: (1 + 0.21072 + 9.2103 + 0) / 4 = 2.6053
+    assert float(stats["mean"]) == pytest.approx(2.6053, rel=1e-4)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 12.0), st.floats(0.0, 6.0), st.booleans()), min_size=1, max_size=40),
+       st.floats(0.0, 3.0), st.floats(0.01, 5.0))
+def test_rsi_selection_partitions_the_valid_tokens_as_float64_says(tokens, low, width):
+    """For every batch and interval: kept, below and above partition the valid tokens; a token is kept
+    exactly when float64's s / H lies in [low, high], except within 2 ulps of float32 of an end (s and H
+    are float32, one division rounds once: |RSI32 - RSI64| <= u RSI64 with u = 2^-24); invalid tokens are
+    never kept; widening the interval never drops a kept token."""
+    high = low + width
+    s = torch.tensor([[t[0] for t in tokens]], dtype=torch.float32)
+    H = torch.tensor([[t[1] for t in tokens]], dtype=torch.float32)
+    mask = torch.tensor([[float(t[2]) for t in tokens]])
+    keep, stats = rsi_keep_mask(-s, H, mask, low=low, high=high)
+    rsi = relative_surprisal_index(-s, H, mask)
+    valid = mask > 0
+    below, above = valid & (rsi.double() < low), valid & (rsi.double() > high)
+    assert torch.equal(keep | below | above, valid) and not (keep & below).any() and not (keep & above).any()
+    n = max(int(valid.sum()), 1)
+    assert float(stats["kept"]) == pytest.approx(int(keep.sum()) / n)
+    for i, (si, hi, v) in enumerate(tokens):
+        s64, h64 = float(s[0, i].double()), float(H[0, i].double())
+        r64 = s64 / h64 if h64 > 0 else (math.inf if s64 > 0 else 0.0)
+        near = any(math.isfinite(r64) and abs(r64 - e) <= 2 * 2**-24 * max(abs(r64), abs(e)) for e in (low, high))
+        if not v:
+            assert not keep[0, i]
+        elif not near:
+            assert bool(keep[0, i]) == (low <= r64 <= high), (si, hi, low, high)
+    wider, _ = rsi_keep_mask(-s, H, mask, low=low / 2, high=high * 2)
+    assert not (keep & ~wider).any()
+
+
+def test_rsi_s_drops_out_of_interval_tokens_and_renormalises_over_the_rest():
+    """RSI-S's loss is PPO-clip token-mean over the tokens of RSI in the interval, and the others get
+    exactly zero gradient, whatever their advantage's sign."""
+    layer = _layer("rsi-s", "method.rsi.low=0.5", "method.rsi.high=2")
+    # one group of 2: rewards 1, 0 -> A = +0.7071, -0.7071
+    # RSI = -old / ent: row 0: 0.05/0.5 = 0.1 (below), 0.5/0.5 = 1 (kept), 1.6/0.8 = 2 (kept: closed), 3/1 = 3 (above)
+    #                   row 1: 0.4/0.4 = 1 (kept), 0.3/0.2 = 1.5 (kept), 2.4/0.6 = 4 (above), padding
+    old = -torch.tensor([[0.05, 0.5, 1.6, 3.0], [0.4, 0.3, 2.4, 0.0]])
+    ent = torch.tensor([[0.5, 0.5, 0.8, 1.0], [0.4, 0.2, 0.6, 0.0]])
+    mask = torch.tensor([[1.0, 1, 1, 1], [1, 1, 1, 0]])
+    bt = layer.transform_batch(BatchInputs(torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), mask, old, ent,
+                                           torch.ones(2, dtype=torch.bool)))
+    assert bt.mask.tolist() == [[0.0, 1, 1, 0], [1, 1, 0, 0]]
+    assert bt.metrics["rsi/kept"] == pytest.approx(4 / 7) and bt.metrics["rsi/below"] == pytest.approx(1 / 7)
+    assert bt.metrics["rsi/above"] == pytest.approx(2 / 7)
+    new = (old + 0.1).requires_grad_(True)
+    loss, _ = layer.loss(LossInputs(new, old, bt.advantages, bt.mask, Agg(num_tokens=float(bt.mask.sum()))))
+    (g,) = torch.autograd.grad(loss, new)
+    assert (g[bt.mask == 0] == 0).all() and (g[bt.mask > 0] != 0).all()
+    tl, _ = ppo_clip_token_losses(new.detach(), old, bt.advantages, bt.mask)
+    assert_close(loss.detach(), (tl * bt.mask).sum() / 4)
+
+
+def test_rsi_s_refuses_to_run_without_its_interval():
+    with pytest.raises(StareError, match=r"method.rsi.low / method.rsi.high: rsi-s needs them and has no default"):
+        load_recipe("short-cot/qwen2.5-math-7b", "rsi-s")
+    with pytest.raises(StareError, match=r"method.rsi.high: rsi-s needs it and has no default"):
+        load_recipe("short-cot/qwen2.5-math-7b", "rsi-s", ["method.rsi.low=0.5"])
+    with pytest.raises(StareError, match=r"low < high"):
+        load_recipe("short-cot/qwen2.5-math-7b", "rsi-s", ["method.rsi.low=2", "method.rsi.high=2"])
+    # other methods do not read the keys (a sweep sets them for every cell)
+    assert load_recipe("short-cot/qwen2.5-math-7b", "grpo-ds", ["method.rsi.low=0.5"]).method.rsi.low == 0.5
+
+
+def test_rsi_s_with_an_interval_that_keeps_every_token_is_grpo_ds():
+    b = _batch(0)
+    rsi, ds = _layer("rsi-s", "method.rsi.low=0", "method.rsi.high=1e30"), _layer("grpo-ds")
+    b["ent"] = b["ent"] + 0.01 * b["m"]  # no zero entropy on a valid token (its RSI would be infinite)
+    x = BatchInputs(b["r"], b["g"], b["m"], b["old"], b["ent"], torch.ones(len(b["r"]), dtype=torch.bool))
+    t1, t2 = rsi.transform_batch(x), ds.transform_batch(x)
+    assert torch.equal(t1.mask, t2.mask) and torch.equal(t1.advantages, t2.advantages)
+    assert t1.metrics["rsi/kept"] == 1.0
 
 
 def _batch(seed: int, B: int = 8, T: int = 12):
@@ -259,3 +361,17 @@ def test_cov_anneal_is_refused_for_other_methods_naming_file_line_and_key(tmp_pa
     with pytest.raises(StareError, match=rf"{f}:4: method.cov_anneal.schedule \('cosine'\) anneals Clip-Cov and KL-Cov"):
         load_recipe(str(f), "grpo-ds")
     assert load_recipe(str(f), "kl-cov").method.cov_anneal.schedule == "cosine"  # accepted where it is read
+
+
+def test_an_rsi_s_run_whose_interval_dropped_nothing_never_acted(tmp_path):
+    """An interval wide enough to keep every token trains as GRPO-ds: `stare compare` and the sweep mark the
+    run (§) from its logged dropped share, 0 at every step; one step with a dropped token is acting."""
+    import json
+
+    from stare_kernel.ledger import run_acted
+
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "rsi/dropped": 0.0}) + "\n" for i in (1, 2, 3)))
+    assert run_acted(tmp_path, None) == "RSI-S's interval never dropped a token (3 of 3 steps)"
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"step": 4, "rsi/dropped": 0.02}) + "\n")
+    assert run_acted(tmp_path, None) is None and run_acted(tmp_path, 3) is not None

@@ -57,7 +57,7 @@ def test_table_covers_every_recipe_key_exactly_once():
 def test_every_scenario_and_method_composes_or_is_refused_by_name(scenario, capsys):
     expected = {"long-cot/r1-distill-qwen-1.5b": "data.template"}  # tool-use: hermes, which verl's tool agent runs
     for method in METHODS:
-        cfg = load_recipe(scenario, method, PER_GROUP)
+        cfg = load_recipe(scenario, method, PER_GROUP + list(METHODS[method].required_example))
         refused = [k for k, _ in refusals(cfg)]
         if scenario in expected:
             assert refused == [expected[scenario]]

@@ -630,6 +630,7 @@ def dynamics_summary(rows: list[dict], h_tgt: float) -> dict:
         **_logged_mean(train, "len/mean", "len_end"),
         **_logged_mean(train, "reflection_rate", "reflection_rate_end"),
         **_logged_mean(train, "stapo/spurious_frac", "silenced_share", tail=False),
+        **_logged_mean(train, "rsi/kept", "rsi_kept_share", tail=False),
         **_logged_mean(train, "actor/covk/mean_w", "kernel_mean_w", tail=False),
         **_logged_mean(train, "stare/sel_pos", "stare_sel_pos", tail=False),
         **_logged_mean(train, "stare/sel_neg", "stare_sel_neg", tail=False),
@@ -927,10 +928,11 @@ def report_markdown(summary: dict) -> str:
         o = d["over_seeds"]
         cells = [over_seeds_text(o.get(k), 3) for k in keys]
         lines.append(f"| {m} | {len(d['seeds'])} | " + " | ".join(cells) + " |")
-    own = ("gate_on_share", "stare_sel_pos", "stare_sel_neg", "silenced_share", "kernel_mean_w",
+    own = ("gate_on_share", "stare_sel_pos", "stare_sel_neg", "silenced_share", "rsi_kept_share", "kernel_mean_w",
            "kl_cov_share", "cut_share")  # what each method did, averaged over its steps
     lines += ["", "Per method, over all steps: the STARE gate's on-share and the shares of valid tokens in L+ and L- "
-              "(selected whatever the gate), STAPO's silenced share, the covariance kernel's mean weight, the share "
+              "(selected whatever the gate), STAPO's silenced share, RSI-S's kept share, the covariance kernel's "
+              "mean weight, the share "
               "KL-Cov penalises, and the share whose gradient is cut (PPO's clip; Clip-Cov's detached tokens).", "",
               "| method | " + " | ".join(own) + " |", "|---|" + "---|" * len(own)]
     for m, d in methods.items():

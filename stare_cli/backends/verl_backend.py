@@ -289,7 +289,7 @@ TABLE: list[Row] = [
                                       "stare.m_min", "stare.scope", "clip_cov.ratio", "clip_cov.cov_lb",
                                       "clip_cov.cov_ub", "kl_cov.ratio", "kl_cov.coef", "gspo.clip_low",
                                       "gspo.clip_high", "entro_adv.alpha", "entro_adv.kappa", "top_entropy_frac",
-                                      "w_reinforce_lambda", "stapo.tau_p", "stapo.tau_h_quantile",
+                                      "w_reinforce_lambda", "stapo.tau_p", "stapo.tau_h_quantile", "rsi.low", "rsi.high",
                                       "cov_anneal.schedule", "cov_anneal.end", "cov_anneal.steps",
                                       "adaptive_entropy.enable", "adaptive_entropy.target", "adaptive_entropy.coef_init",
                                       "adaptive_entropy.coef_min", "adaptive_entropy.coef_max",

@@ -234,6 +234,15 @@ class StapoConfig(_Strict):
         "(paper: the 5th percentile, 0.05). Spurious tokens leave the loss mask.")
 
 
+class RsiConfig(_Strict):
+    low: Optional[StrictFloat] = Field(
+        None, ge=0, description="RSI-S (arXiv 2606.31575): the lower end of the kept interval of the relative surprisal "
+        "index -log pi(o_t) / H_t (tokens below it are redundant). No default: the paper's value could not be read; "
+        "the rsi-s method needs both ends set. Under the policy's own sampling RSI centres on 1.")
+    high: Optional[StrictFloat] = Field(
+        None, gt=0, description="... the upper end (tokens above it are the unstable high-surprisal tail); > low.")
+
+
 class CovAnnealConfig(_Strict):
     schedule: Literal["none", "linear", "cosine"] = Field(
         "none", description="Anneal Clip-Cov's detached share (clip_cov.ratio) and KL-Cov's coefficient (kl_cov.coef) "
@@ -275,6 +284,15 @@ class EntroAdvConfig(_Strict):
     kappa: StrictFloat = Field(2.0, gt=0, description="The bonus is at most |A| / kappa.")
 
 
+def key_value(config: BaseModel, key: str, prefix: str = ""):
+    """The value of the dotted recipe key `key` in `config`, the recipe or (with `prefix` 'method.') its method
+    section: key_value(recipe, 'method.rsi.low') is recipe.method.rsi.low."""
+    obj = config
+    for part in key.removeprefix(prefix).split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 class MethodConfig(_Strict):
     name: str = Field("grpo-ds", min_length=1, description="Registered method; see `stare methods` (checked by the "
                       "method layer, which owns the registry).")
@@ -296,6 +314,7 @@ class MethodConfig(_Strict):
     kl_cov: KLCovConfig = Field(default_factory=KLCovConfig)
     cov_anneal: CovAnnealConfig = Field(default_factory=CovAnnealConfig)
     stapo: StapoConfig = Field(default_factory=StapoConfig)
+    rsi: RsiConfig = Field(default_factory=RsiConfig)
     gspo: GSPOConfig = Field(default_factory=GSPOConfig)
     entro_adv: EntroAdvConfig = Field(default_factory=EntroAdvConfig)
     adaptive_entropy: AdaptiveEntropyConfig = Field(default_factory=AdaptiveEntropyConfig)
@@ -310,6 +329,15 @@ class MethodConfig(_Strict):
         if self.cov_anneal.schedule != "none" and spec is not None and spec.loss not in ("clip_cov", "kl_cov"):
             raise ValueError(f"method.cov_anneal.schedule ({self.cov_anneal.schedule!r}) anneals Clip-Cov and KL-Cov "
                              f"only; method {spec.name} does not read it (set it to 'none')")
+        missing = [k for k in (spec.required if spec is not None else ()) if key_value(self, k, 'method.') is None]
+        if missing:
+            from baselines.registry import required_hint
+
+            raise ValueError(f"{' / '.join(missing)}: {spec.name} needs {'them' if len(missing) > 1 else 'it'} and has "
+                             f"no default ({required_hint(spec)})")
+        lo, hi = self.rsi.low, self.rsi.high
+        if lo is not None and hi is not None and not lo < hi:
+            raise ValueError(f"method.rsi: low < high must hold ({lo}, {hi})")
         if self.adaptive_entropy.enable and spec is not None and spec.stare:
             raise ValueError(f"method.adaptive_entropy.enable: {spec.name} has its own entropy controller (STARE's "
                              "gate at method.stare.h_tgt); use the adaptive-entropy method, or set it to false")

@@ -13,8 +13,8 @@ So the two backends run the same code for:
 4. the STARE controller (`begin_step`): once per step, from the batch's token-mean entropy of the
    old-log-prob pass; returns the `StareState` (gate, W, M) the loss calls need;
 5. the per-batch transform (`transform_batch`): advantages over tokens, the truncation mask, the
-   80/20 mask (as zero advantages), STAPO's spurious tokens (out of the loss mask), batch-scope STARE
-   weights, the quadrant diagnostics;
+   80/20 mask (as zero advantages), STAPO's spurious tokens and RSI-S's out-of-interval tokens (out of the
+   loss mask), batch-scope STARE weights, the quadrant diagnostics;
 6. the loss calls of a training batch (`update_plan`, `call_agg`): mini-batches, their micro-batches
    (the token budget or fixed rows), and how each call's loss is normalised and scaled: one token-mean
    over the mini-batch, or the official run's data-parallel layout emulated (`optim.loss_layout`);
@@ -56,7 +56,7 @@ from baselines.losses import clip_cov_loss, entropy_bonus, gspo_loss, kl_cov_los
 from baselines.micro_batches import LossCall, official_loss_calls
 from baselines.registry import MethodSpec
 from baselines.stare import stare_scale
-from baselines.token_filters import anneal_factor, covariance_kernel_weights, spurious_mask
+from baselines.token_filters import anneal_factor, covariance_kernel_weights, rsi_keep_mask, spurious_mask
 from stare_cli.core.config import Recipe
 from stare_cli.core.resolve import check_method
 
@@ -319,6 +319,13 @@ class MethodLayer:
             adv = adv * mask
             metrics.update({"stapo/spurious_frac": float(spurious.sum()) / max(n_valid, 1.0),
                             "stapo/tau_h": float(tau_h)})
+        if self.spec.rsi:
+            r = self.cfg.rsi
+            keep, st = rsi_keep_mask(b.old_log_prob.float(), b.entropy.float(), mask, low=r.low, high=r.high)
+            mask = mask * keep.to(mask.dtype)  # dropped: the aggregation renormalises over the kept tokens
+            adv = adv * mask
+            metrics.update({f"rsi/{k}": float(v) for k, v in st.items()})
+            metrics["rsi/dropped"] = metrics["rsi/below"] + metrics["rsi/above"]  # 0 at every step: never acted
         if self.spec.stare and self.cfg.stare.scope == "batch":
             if stare is None:
                 raise ValueError("batch-scope STARE needs this step's StareState (begin_step)")
