@@ -101,16 +101,18 @@ def spurious_mask(adv: Tensor, log_prob: Tensor, entropy: Tensor, mask: Tensor, 
 
 
 def relative_surprisal_index(log_prob: Tensor, entropy: Tensor, mask: Tensor) -> Tensor:
-    """RSI_t = -log pi(o_t) / H_t (module docstring), float32, 0 on invalid tokens.
+    """RSI_t = -log pi(o_t) / H_t (module docstring), 0 on invalid tokens, in float64: one division of the
+    given values rounded once, so that which side of an interval end a token falls on is float64's (in
+    float32 a subnormal s_t / H_t underflows to 0).
 
     Args:
         log_prob: [B, T] log pi(o_t); entropy: [B, T] token entropies H_t >= 0; mask: [B, T] valid tokens.
     Returns:
-        rsi: [B, T]; where H_t = 0: 0 if s_t = 0, +inf if s_t > 0.
+        rsi: [B, T] float64; where H_t = 0: 0 if s_t = 0, +inf if s_t > 0.
     """
-    s = -log_prob.detach().float()
-    H = entropy.detach().float()
-    rsi = torch.where(H > 0, s / H.clamp(min=torch.finfo(torch.float32).tiny),
+    s = -log_prob.detach().double()
+    H = entropy.detach().double()
+    rsi = torch.where(H > 0, s / H.clamp(min=torch.finfo(torch.float64).tiny),
                       torch.where(s > 0, torch.inf, 0.0))
     return torch.where(mask > 0, rsi, 0.0)
 
@@ -126,13 +128,12 @@ def rsi_keep_mask(log_prob: Tensor, entropy: Tensor, mask: Tensor, *, low: float
         (RSI > high), and the mean RSI of the valid tokens of finite RSI.
     """
     valid = mask > 0
-    rsi = relative_surprisal_index(log_prob, entropy, mask)
-    r64 = rsi.double()  # compared in float64: a float32 comparison would round the ends first (1e-50 -> 0)
-    below, above = valid & (r64 < low), valid & (r64 > high)
+    rsi = relative_surprisal_index(log_prob, entropy, mask)  # float64: the ends are not rounded to float32 either
+    below, above = valid & (rsi < low), valid & (rsi > high)
     keep = valid & ~below & ~above
     n = valid.sum().clamp(min=1).float()
     finite = valid & torch.isfinite(rsi)
-    mean = torch.where(finite, rsi, 0.0).sum() / finite.sum().clamp(min=1)
+    mean = (torch.where(finite, rsi, 0.0).sum() / finite.sum().clamp(min=1)).float()
     return keep, {"kept": keep.sum() / n, "below": below.sum() / n, "above": above.sum() / n, "mean": mean}
 
 

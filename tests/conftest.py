@@ -69,11 +69,13 @@ def quick_tool_toy(tmp_path_factory):
 
 # `make test` runs the suite on two pytest-xdist workers (`--dist loadgroup`). Tests that start Ray
 # (the verl runs) share one group, so they run one after another on one worker: two Ray clusters on one
-# machine compete for the same ports and memory.
+# machine compete for the same ports and memory. (Until 2026-12-07 the group never formed: xdist's worker hook
+# read the marks before this one added them, so both workers ran the verl run at once, each for itself.)
 _ONE_AT_A_TIME = {"test_verl_backend.py": "ray", "test_verl_cpu.py": "ray", "test_verl_job.py": "ray"}
 
 
-def pytest_collection_modifyitems(config, items):
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the group into the node id: the
+def pytest_collection_modifyitems(config, items):  # worker registers it after this file, so it ran first
     for item in items:
         group = _ONE_AT_A_TIME.get(item.path.name)
         if group:
