@@ -75,7 +75,8 @@ def test_home_and_tmpdir_exist_and_numpy_and_sympy_import():
         for d in (os.environ["HOME"], os.environ["TMPDIR"], os.getcwd(), tempfile.gettempdir()):
             open(os.path.join(d, "f"), "w").write("x")
         print(os.environ["HOME"], os.environ["TMPDIR"], sympy.simplify("2*x - x"), numpy.arange(3).sum())
-    """), L)
+    """), Limits(cpu_s=30, wall_s=120, memory_mb=256, output_bytes=4096))  # what it checks is not time: importing
+    # sympy took longer than L's 6 s on a busy machine (a clean clone's suite beside another's vLLM tests)
     assert o.status == "ok", o.output
     assert o.text() == "/home/sandbox /tmp x 3"
 
