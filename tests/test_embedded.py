@@ -469,6 +469,57 @@ def test_unclear_errors_name_their_cause(cli, tmp_path):
         assert code == 1 and err.startswith("error: ") and said in err and "Error:" not in err, (args, err)
 
 
+def test_large_blocks_are_mapped_in_training_where_a_real_model_saves_memory_on_the_cpu(monkeypatch):
+    """backend.embedded.heap: 'auto' fixes glibc's mmap threshold at 128 KiB (mallopt(-3, 131072)) for the
+    training phase of a real vocabulary on the CPU whose recipe saves memory (several micro-batches, or
+    activation checkpointing), and sets it to 32 MiB after, also when training raises; not for the toys,
+    nor with one micro-batch, nor on CUDA; 'mapped' and 'glibc' force it either way."""
+    import ctypes
+    from types import SimpleNamespace
+
+    import torch
+
+    from stare_cli.backends import embedded as E
+    from stare_cli.core.resolve import load_recipe
+
+    calls = []
+
+    class Libc:
+        def mallopt(self, param, value):
+            calls.append((param, value))
+            return 1
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: Libc())
+
+    def model(vocab):
+        head = torch.nn.Linear(2, vocab, bias=False)
+        return SimpleNamespace(get_output_embeddings=lambda: head)
+
+    def recipe(heap, *extra):  # small/smollm2-135m-words: one micro-batch of 64 responses
+        return load_recipe("small/smollm2-135m-words", None, [f"backend.embedded.heap={heap}", *extra])
+
+    cpu, cuda = E.Hardware(torch.device("cpu"), False), E.Hardware(torch.device("cuda"), False)
+    mb16, ckpt, tokens = "optim.micro_batch_size=16", "backend.embedded.activation_checkpointing=true", \
+        "optim.micro_batch_tokens=1600"
+    cases = [(recipe("auto", mb16), cpu, 49152, True), (recipe("auto", ckpt), cpu, 49152, True),
+             (recipe("auto", tokens), cpu, 49152, True), (recipe("auto"), cpu, 49152, False),
+             (recipe("auto", mb16), cpu, 4095, False), (recipe("auto", mb16), cuda, 49152, False),
+             (recipe("mapped"), cpu, 64, True), (recipe("glibc", mb16), cpu, 49152, False),
+             (recipe("mapped"), cuda, 49152, False)]
+    for i, (cfg, hw, vocab, mapped) in enumerate(cases):
+        calls.clear()
+        h = E.Heap.choose(hw, cfg, model(vocab))
+        assert calls == []  # nothing changes before the training phase
+        with h.training():
+            assert calls == ([(-3, 128 * 1024)] if mapped else []), i
+        assert calls == ([(-3, 128 * 1024), (-3, 32 * 2**20)] if mapped else []), i
+    calls.clear()
+    with pytest.raises(KeyboardInterrupt):
+        with E.Heap.choose(cpu, recipe("mapped"), model(64)).training():
+            raise KeyboardInterrupt
+    assert calls == [(-3, 128 * 1024), (-3, 32 * 2**20)]
+
+
 def test_the_heap_is_trimmed_only_above_a_resident_set_where_it_pays(monkeypatch):
     """Issue 69: the trim between phases made every toy step fault its working set back in (about 15% of a
     toy step); it now runs only above TRIM_ABOVE_BYTES (the real model's resident set is above it)."""
@@ -532,3 +583,50 @@ def test_gradients_are_freed_after_each_optimizer_step(cli, tmp_path, quick_toy,
     assert not any(has_grad for _, has_grad in seen)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert any(r["grad_norm"] > 0 for r in rows)
+
+
+def _weights(run):
+    from safetensors.torch import load_file
+
+    (f,) = (run / "checkpoints" / "latest").glob("*.safetensors")
+    return load_file(f)
+
+
+@pytest.mark.parametrize("case", [
+    ("stare-c2", []),  # FAST's h_tgt 10: the gate is on at every step, W and M act
+    ("stare-o1", ["method.stare.adaptive=true", "method.stare.w_max=2.5", "method.stare.h_tgt=0.3"]),  # H > 0.3: W falls
+    ("grpo-ds", []),
+    ("stare-o1", ["peek-wrong"]),  # every prediction of the controller's state wrong: every step reruns
+], ids=["stare-c2", "stare-o1-adaptive", "grpo-ds", "stare-o1-mispredicted"])
+def test_a_fused_old_pass_over_micro_batches_is_the_separate_pass(cli, tmp_path, quick_toy, monkeypatch, case):
+    """One mini-batch (32 responses) in 4 micro-batches of 8: the weights cannot change before the
+    training forwards, so their detached log-probs and entropies are pi_old's, and the step is the one
+    a separate no-grad pass gives. The controller's state is predicted from the first micro-batch's
+    entropy and checked against the batch's H; a wrong prediction reruns the micro-batches. Equal to
+    the bit: the same kernels on the same rows compute both (the no-grad pass only skips the graph)."""
+    method, extra = case
+    if extra == ["peek-wrong"]:
+        from dataclasses import replace
+
+        from stare_cli.method.layer import MethodLayer
+
+        right = MethodLayer.peek_step
+        monkeypatch.setattr(MethodLayer, "peek_step",
+                            lambda self, H: replace(s := right(self, H), gate=not s.gate, W=s.W + 0.5))
+        extra = []
+    rows, weights = {}, {}
+    for fused in ("true", "false"):
+        run = _train(cli, tmp_path / fused, quick_toy, method, "optim.total_steps=2", "method.dynamic_sampling=false",
+                     "optim.mini_batch_size=4", f"backend.embedded.fused_old_pass={fused}", *extra)
+        rows[fused] = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        weights[fused] = _weights(run)
+    for a, b in zip(rows["true"], rows["false"]):
+        assert a["micro_batches"] == 4
+        assert a.pop("fused/rerun") == (1.0 if case[1] == ["peek-wrong"] else 0.0) and "fused/rerun" not in b
+        keys = [k for k in b if not k.startswith(("time/", "memory/")) and isinstance(b[k], (int, float))]
+        assert sorted(keys) == sorted(k for k in a if not k.startswith(("time/", "memory/"))
+                                      and isinstance(a[k], (int, float)))
+        assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
+    assert rows["true"][0]["rollout/lp_abs_diff_max"] > 0  # pi_old was recorded, not left at zero
+    for k, w in weights["false"].items():
+        assert torch.equal(weights["true"][k], w), k

@@ -11,7 +11,7 @@ slow spell of a shared machine hits all alike. Printed per variant: peak RSS, th
 ratio, `time/train` (old log-probs + update, mean over the steps), medians over the repetitions, and the
 ratios to the first variant.
 
-    python benchmarks/perf/memory.py [--reps 1] [--steps 2] [--recipe small/smollm2-135m-words]
+    python benchmarks/perf/memory.py [--reps 1] [--steps 2] [--recipe small/smollm2-135m-words] [--only VARIANT]
 
 Needs the real model (`stare model get smollm2-135m`). One torch thread. Run it alone: about 5 minutes per
 child on the 2-core machine.
@@ -29,15 +29,22 @@ import tempfile
 from pathlib import Path
 
 # name -> overrides on top of the recipe (issue 69's table). The first is the shipped default; the ratios
-# are to the second, the default before lean activations (autograd's own saved tensors).
+# are to the second, the default before lean activations (autograd's own saved tensors) and the heap setting
+# (backend.embedded.heap: 'auto' maps the training phase's blocks where a recipe saves memory).
 VARIANTS = {
-    "default (lean activations)": [],
-    "before: autograd's saved tensors": ["backend.embedded.lean_activations=false"],
+    "default": [],
+    "before: autograd's saved tensors, glibc's heap": ["backend.embedded.lean_activations=false",
+                                                       "backend.embedded.heap=glibc"],
+    "default, mapped heap": ["backend.embedded.heap=mapped"],
     "micro_batch_tokens=1600": ["optim.micro_batch_tokens=1600"],
+    "micro_batch_tokens=800": ["optim.micro_batch_tokens=800"],
+    "micro_batch_size=16": ["optim.micro_batch_size=16"],
+    "micro_batch_size=16, glibc's heap": ["optim.micro_batch_size=16", "backend.embedded.heap=glibc"],
+    "micro_batch_size=8": ["optim.micro_batch_size=8"],
     "activation checkpointing": ["backend.embedded.activation_checkpointing=true"],
     "checkpointing + tokens=1600": ["backend.embedded.activation_checkpointing=true", "optim.micro_batch_tokens=1600"],
 }
-BASE = "before: autograd's saved tensors"
+BASE = "before: autograd's saved tensors, glibc's heap"
 
 
 def one_step(recipe: str, overrides: list[str], out: Path, steps: int) -> dict:
@@ -101,12 +108,18 @@ def main() -> None:
     ap.add_argument("--recipe", default="small/smollm2-135m-words")
     ap.add_argument("--prompt-len", type=float, default=None,
                     help="prompt tokens for the plan (default: the mean of the recipe's first 64 prompts)")
+    ap.add_argument("--only", action="append", default=[], metavar="VARIANT",
+                    help="run only these variants (repeatable; the first, 'default', and the ratios' base always run)")
     args = ap.parse_args()
+    unknown = [v for v in args.only if v not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variant {unknown[0]!r}; variants: {', '.join(VARIANTS)}")
+    chosen = {k: v for k, v in VARIANTS.items() if not args.only or k in ("default", BASE, *args.only)}
     plen = args.prompt_len or mean_prompt_tokens(args.recipe)
-    results: dict[str, list[dict]] = {k: [] for k in VARIANTS}
+    results: dict[str, list[dict]] = {k: [] for k in chosen}
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.reps):
-            for i, (name, ov) in enumerate(VARIANTS.items()):
+            for i, (name, ov) in enumerate(chosen.items()):
                 r = one_step(args.recipe, ov, Path(tmp) / f"{rep}-{i}", args.steps)
                 r["plan_gib"] = planned(args.recipe, ov, plen, r["response_len"])
                 results[name].append(r)
@@ -118,16 +131,18 @@ def main() -> None:
     med = {k: {m: statistics.median(r[m] for r in v) for m in ("rss_gib", "plan_gib", "train_s", "step_s")}
            for k, v in results.items()}
     print(f"\nmedians over {args.reps} repetition(s) of {args.steps} steps; ratios to '{base}'")
-    print(f"{'variant':32s} {'peak RSS':>9s} {'plan':>7s} {'plan/RSS':>8s} {'ratio':>6s} {'train s':>8s} {'ratio':>6s}")
+    print(f"{'variant':48s} {'peak RSS':>9s} {'plan':>7s} {'plan/RSS':>8s} {'ratio':>6s} {'train s':>8s} {'ratio':>6s} "
+          f"{'step s':>7s} {'ratio':>6s}")
     b = med[base]
     for k, m in med.items():
-        print(f"{k:32s} {m['rss_gib']:7.2f}G {m['plan_gib']:6.2f}G {m['plan_gib'] / m['rss_gib']:8.2f} "
-              f"{m['rss_gib'] / b['rss_gib']:6.2f} {m['train_s']:8.1f} {m['train_s'] / b['train_s']:6.2f}")
-    d = med["default (lean activations)"]
+        print(f"{k:48s} {m['rss_gib']:7.2f}G {m['plan_gib']:6.2f}G {m['plan_gib'] / m['rss_gib']:8.2f} "
+              f"{m['rss_gib'] / b['rss_gib']:6.2f} {m['train_s']:8.1f} {m['train_s'] / b['train_s']:6.2f} "
+              f"{m['step_s']:7.1f} {m['step_s'] / b['step_s']:6.2f}")
+    d = med["default"]
     print(f"target, default: peak <= 6 GiB {'met' if d['rss_gib'] <= 6 else 'missed'} ({d['rss_gib']:.2f}) at <= 1.1x "
           f"the time before {'met' if d['train_s'] <= 1.1 * b['train_s'] else 'missed'} ({d['train_s'] / b['train_s']:.2f}x)")
     for k, m in med.items():
-        if k in (base, "default (lean activations)"):
+        if k in (base, "default"):
             continue
         print(f"target, {k}: peak <= 4 GiB {'met' if m['rss_gib'] <= 4 else 'missed'} ({m['rss_gib']:.2f}) at <= 1.4x "
               f"{'met' if m['train_s'] <= 1.4 * b['train_s'] else 'missed'} ({m['train_s'] / b['train_s']:.2f}x)")

@@ -39,7 +39,7 @@ import os
 import sys
 import time
 import warnings
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -416,8 +416,9 @@ class Rollout:
 @dataclass
 class OldPass:
     """Step 4: the packed batch, its mini- and micro-batches, the old log-probs and token entropies
-    [B, T] (on-policy with one micro-batch: the training forward's own, kept with their graph in
-    `current` for step 6)."""
+    [B, T]. Fused (one mini-batch, one epoch: the weights cannot change before the training forwards),
+    they are the training forwards' own, detached: with one micro-batch its forward has run, kept with
+    its graph in `current` for step 6; with several (`deferred`) step 6's forwards fill them in."""
 
     batch: dict
     plan: list[list[Any]]  # per mini-batch, its loss calls (baselines.micro_batches.LossCall)
@@ -425,12 +426,17 @@ class OldPass:
     entropy: Any
     current: Optional[tuple] = None  # (log-probs, entropies) with grad when fused
     t_start: float = 0.0  # when training work began (time/train)
+    deferred: bool = False  # old_logp, entropy: zeros until step 6's first pass over the micro-batches
 
     @property
     def H(self) -> float:
         """The batch's token-mean entropy (the controller's input)."""
-        mask = self.batch["response_mask"]
-        return float((self.entropy * mask).sum() / mask.sum().clamp(min=1))
+        return self.H_of(slice(None))
+
+    def H_of(self, rows) -> float:
+        """The token-mean entropy of some rows (an index list or a slice)."""
+        mask = self.batch["response_mask"][rows]
+        return float((self.entropy[rows] * mask).sum() / mask.sum().clamp(min=1))
 
     @property
     def fused(self) -> bool:
@@ -476,6 +482,10 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume: Optional[ResumePla
     log.note(f"loading {cfg.model.path} ({hw.device.type}, fp32 master weights, {O.precision} compute)")
     t_load = time.perf_counter()
     policy = load_policy(cfg, hw, run)
+    heap = Heap.choose(hw, cfg, policy.model)
+    if heap.libc is not None:
+        log.note(f"heap: in training, blocks from {MAPPED_FROM_BYTES // 1024} KiB are mapped one by one "
+                 "(backend.embedded.heap)")
     log.note(f"model loaded in {time.perf_counter() - t_load:.0f}s: "
              f"{sum(p.numel() for p in policy.model.parameters()) / 1e6:.1f}M parameters")
     pos = start_or_restore(cfg, run, policy, layer, resume, overrides)
@@ -518,14 +528,15 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume: Optional[ResumePla
             else:
                 log.note(f"step {k}/{O.total_steps}: training on {len(ro.kept)} responses "
                          f"({ro.t_gen:.0f}s of generation)")
-                # 4. old log-probs and token entropies
-                old = old_pass(policy, layer, ro, cfg)
-                metrics.update(old_pass_metrics(old, ro))
-                # 5. the controller (once per step) and the batch transform (method layer)
-                tb, m = controller_and_transform(layer, ro, old)
-                metrics.update(m)
-                # 6. PPO updates: mini-batches of prompts, micro-batches and the loss (method layer)
-                metrics.update(ppo_updates(policy, layer, old, tb, cfg, pos.step, rollout))
+                with heap.training():
+                    # 4. old log-probs and token entropies
+                    old = old_pass(policy, layer, ro, cfg)
+                    # 5. the controller (once per step) and the batch transform (method layer)
+                    tb, m = controller_and_transform(layer, ro, old)
+                    metrics.update(m)
+                    # 6. PPO updates: mini-batches of prompts, micro-batches and the loss (method layer)
+                    metrics.update(ppo_updates(policy, layer, old, tb, cfg, pos.step, rollout))
+                    metrics.update(old_pass_metrics(old, ro))  # a deferred old pass is filled by step 6's forwards
                 t_train = time.perf_counter() - old.t_start
                 del old, tb
                 release_freed_memory(hw)
@@ -634,6 +645,56 @@ def release_freed_memory(hw: Hardware) -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc (musl, ...): nothing to do
         pass
+
+
+MAPPED_FROM_BYTES = 128 * 1024
+HEAP_FROM_BYTES = 32 * 2**20  # glibc's largest dynamic threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
+
+
+@dataclass
+class Heap:
+    """backend.embedded.heap: on the CPU with glibc, under 'mapped' (or 'auto', `choose`), every block
+    from MAPPED_FROM_BYTES on is mapped by itself during the training phase (`training()`: old pass and
+    updates) and unmapped when freed, so a freed activation leaves the process at once. glibc's own threshold
+    rises to the largest block freed (up to 32 MiB) and then keeps such blocks in the heap: on the real-model
+    recipe the micro-batches' freed blocks held 0.3-0.8 GiB beside the live ones. Outside training the
+    threshold is HEAP_FROM_BYTES, where glibc's settles: the rollout's key/value cache grows by a block per
+    token, and mapping each of them cost more time than it saved memory."""
+
+    libc: Any = None  # glibc through ctypes, or None: nothing is changed
+
+    @classmethod
+    def choose(cls, hw: Hardware, cfg: Recipe, model) -> "Heap":
+        """'auto': mapped for a real model (a vocabulary of AUTO_CHUNK_VOCAB on) whose recipe trades time for
+        memory (several micro-batches per mini-batch, or activation checkpointing); glibc's heap otherwise,
+        where the mapping's page faults cost more time than a recipe that does not ask for memory wants."""
+        E, O = cfg.backend.embedded, cfg.optim
+        if E.heap == "glibc" or hw.device.type != "cpu" or not sys.platform.startswith("linux"):
+            return cls()
+        if E.heap == "auto":
+            head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+            saving = (O.micro_batch_tokens is not None or O.micro_batch_size < O.mini_batch_size * cfg.rollout.n
+                      or E.activation_checkpointing)
+            if head is None or head.weight.shape[0] < AUTO_CHUNK_VOCAB or not saving:
+                return cls()
+        try:
+            import ctypes
+
+            return cls(ctypes.CDLL("libc.so.6"))
+        except OSError:  # not glibc (musl, ...): nothing to do
+            return cls()
+
+    @contextmanager
+    def training(self):
+        if self.libc is None:
+            yield
+            return
+        self.libc.mallopt(M_MMAP_THRESHOLD, MAPPED_FROM_BYTES)
+        try:
+            yield
+        finally:
+            self.libc.mallopt(M_MMAP_THRESHOLD, HEAP_FROM_BYTES)
 
 
 def open_run(cfg: Recipe, out_root: Path | str, resume: Optional[ResumePlan]) -> RunHandle:
@@ -826,8 +887,12 @@ def lean_activations(E, model) -> bool:
 
 def old_pass(policy: Policy, layer, ro: StepRollouts, cfg: Recipe) -> OldPass:
     """Pack the kept responses, form mini-batches (of prompts) and their micro-batches (method
-    layer), then one no-grad forward for the old log-probs and token entropies. On-policy with a
-    single micro-batch the training forward itself gives them (detached): one forward, not two."""
+    layer), then one no-grad forward for the old log-probs and token entropies. With one mini-batch
+    and one epoch (`fused_old_pass`) the training forwards give them (detached): with a single
+    micro-batch its forward runs here; with several, step 6's do (`OldPass.deferred`), unless the
+    method's batch transform must read them first."""
+    import torch
+
     R, O, E = cfg.rollout, cfg.optim, cfg.backend.embedded
     samples = [d.sample for d in ro.kept]
     batch = pack(samples, policy.tok.pad_token_id, policy.device)
@@ -835,12 +900,16 @@ def old_pass(policy: Policy, layer, ro: StepRollouts, cfg: Recipe) -> OldPass:
     t_start = time.perf_counter()
     plan = layer.update_plan(lengths)
     share = (policy.device.type == "cpu") if E.share_prompts == "auto" else E.share_prompts
-    if O.ppo_epochs == 1 and len(plan) == 1 and len(plan[0]) == 1:
+    one_update = E.fused_old_pass and O.ppo_epochs == 1 and len(plan) == 1
+    if one_update and len(plan[0]) == 1:
         with policy.autocast():
             lp, en = token_logprobs_entropy(policy.model, batch, plan[0][0].rows, R.temperature,
                                             buckets=E.length_buckets, share_prompts=share,
                                             chunked_head=chunked_head(E, policy.model))
         return OldPass(batch, plan, lp.detach().float(), en.detach().float(), (lp, en), t_start)
+    if one_update and not layer.transform_reads_policy:
+        zeros = torch.zeros(batch["response_mask"].shape, device=policy.device)
+        return OldPass(batch, plan, zeros, zeros.clone(), None, t_start, deferred=True)
     old_logp, entropy = old_logprobs_and_entropy(
         policy.model, batch, [c.rows for calls in plan for c in calls], R.temperature, policy.autocast,
         E.length_buckets, share, chunked_head(E, policy.model))
@@ -855,15 +924,17 @@ def old_pass_metrics(old: OldPass, ro: StepRollouts) -> dict[str, float]:
 
 # ------------------------------------------------------------------ 5. controller and transform
 def controller_and_transform(layer, ro: StepRollouts, old: OldPass) -> tuple[TrainBatch, dict[str, float]]:
-    """The STARE controller once per step from H, then the method layer's batch transform."""
+    """The STARE controller once per step from H, then the method layer's batch transform. A deferred old
+    pass has no H yet: the controller runs in step 6, and the metrics that read pi_old come from there."""
     import torch
 
     from stare_cli.method.layer import BatchInputs
 
-    stare_state, metrics = layer.begin_step(old.H)
+    stare_state, metrics = (None, {}) if old.deferred else layer.begin_step(old.H)
     bt = layer.transform_batch(BatchInputs(
         rewards=torch.tensor([d.reward for d in ro.kept]), group=torch.tensor([d.group for d in ro.kept]),
-        mask=old.batch["response_mask"], old_log_prob=old.old_logp, entropy=old.entropy,
+        mask=old.batch["response_mask"], old_log_prob=None if old.deferred else old.old_logp,
+        entropy=None if old.deferred else old.entropy,
         finished=torch.tensor([d.sample.finished for d in ro.kept])), stare_state)
     return TrainBatch(stare_state, bt), {**metrics, **bt.metrics}
 
@@ -872,44 +943,34 @@ def controller_and_transform(layer, ro: StepRollouts, old: OldPass) -> tuple[Tra
 def ppo_updates(policy: Policy, layer, old: OldPass, tb: TrainBatch, cfg: Recipe, step: int,
                 rollout: Rollout) -> dict[str, float]:
     """ppo_epochs passes over the mini-batches: per mini-batch, the method layer's loss on each of
-    its loss calls (normalised and scaled as the layer's plan says; gradients accumulate), grad clip,
-    one optimizer step, the gradients freed; then one LR schedule step."""
+    its loss calls (`loss_calls`), grad clip, one optimizer step, the gradients freed; then one LR
+    schedule step. A deferred old pass is complete after the first mini-batch's calls: then the
+    controller reads H, and if its state is not the one the calls predicted they run again with it."""
     import torch
 
-    from stare_cli.method.layer import LossInputs
-
-    R, O, E = cfg.rollout, cfg.optim, cfg.backend.embedded
-    share = (policy.device.type == "cpu") if E.share_prompts == "auto" else E.share_prompts
+    O = cfg.optim
     bt, opt, scaler = tb.transformed, policy.opt, policy.scaler
     gen = torch.Generator().manual_seed(O.seed * 7919 + step)
     stats: dict[str, list[float]] = {}
+    metrics: dict[str, float] = {}
     grad_norms = []
     skipped = 0
     for _epoch in range(O.ppo_epochs):
         for calls in old.plan:
-            mini = [i for c in calls for i in c.rows]
-            opt.zero_grad(set_to_none=True)
-            mini_loss = 0.0  # the mini-batch's loss: the sum of its calls' (scaled) losses
-            for call in calls:
-                idx = call.rows
-                if old.fused:
-                    lp, en = old.current
-                else:
-                    with policy.autocast():
-                        lp, en = token_logprobs_entropy(policy.model, old.batch, idx, R.temperature,
-                                                        need_entropy=layer.needs_entropy_in_loss,
-                                                        buckets=E.length_buckets, share_prompts=share,
-                                                        chunked_head=chunked_head(E, policy.model))
-                loss, st = layer.loss(LossInputs(
-                    log_prob=lp.float(), old_log_prob=old.old_logp[idx], advantages=bt.advantages[idx],
-                    mask=bt.mask[idx], agg=layer.call_agg(call, bt.mask, mini), entropy=None if en is None else en.float(),
-                    stare=tb.stare_state, generator=gen, step=step + 1))
-                loss = loss * call.scale if call.scale != 1.0 else loss
-                (scaler.scale(loss) if scaler else loss).backward()
-                for k, v in st.items():
-                    stats.setdefault(k, []).append(float(v))
-                mini_loss += float(loss.detach())
-            stats.setdefault("loss", []).append(mini_loss)
+            g0 = gen.get_state()
+            done = loss_calls(policy, layer, old, tb, calls, cfg, gen, step, record=old.deferred)
+            if old.deferred:  # pi_old's log-probs and entropies are all in: the controller, once per step
+                tb.stare_state, m = layer.begin_step(old.H)
+                rerun = tb.stare_state != done.state
+                metrics.update({**m, **layer.policy_metrics(bt.advantages, old.old_logp, old.entropy, bt.mask),
+                                "fused/rerun": float(rerun)})
+                old.deferred = False
+                if rerun:  # the first micro-batch's entropy was on the other side of the batch's: its state
+                    gen.set_state(g0)
+                    done = loss_calls(policy, layer, old, tb, calls, cfg, gen, step, record=False)
+            for k, v in done.stats.items():
+                stats.setdefault(k, []).extend(v)
+            stats.setdefault("loss", []).append(done.loss)
             if scaler:
                 scaler.unscale_(opt)
             grad_norms.append(float(torch.nn.utils.clip_grad_norm_(policy.model.parameters(), O.grad_clip)))
@@ -921,7 +982,7 @@ def ppo_updates(policy: Policy, layer, old: OldPass, tb: TrainBatch, cfg: Recipe
             # are the peak) run without the last update's gradients (0.5 GiB on the real model; issue 69)
             opt.zero_grad(set_to_none=True)
             rollout.version += 1
-    metrics = {"lr": policy.sched.get_last_lr()[0]}
+    metrics["lr"] = policy.sched.get_last_lr()[0]
     if scaler:  # fp16: optimizer steps the grad scaler skipped (an inf or NaN gradient), this training step
         metrics["actor/scaler_skipped"] = skipped
         metrics["actor/scaler_scale"] = float(scaler.get_scale())
@@ -931,6 +992,57 @@ def ppo_updates(policy: Policy, layer, old: OldPass, tb: TrainBatch, cfg: Recipe
         metrics[k if k == "loss" or k.startswith("stare/") else f"actor/{k}"] = sum(v) / len(v)
     metrics["micro_batches"] = sum(len(calls) for calls in old.plan)
     return metrics
+
+
+@dataclass
+class CallsDone:
+    """One mini-batch's loss calls done: its loss (the sum of the calls' scaled losses), each call's
+    stats, and the controller state they used."""
+
+    loss: float
+    stats: dict[str, list[float]]
+    state: Any  # StareState or None
+
+
+def loss_calls(policy: Policy, layer, old: OldPass, tb: TrainBatch, calls: list, cfg: Recipe, gen, step: int,
+               record: bool) -> CallsDone:
+    """Forward, the method layer's loss (normalised and scaled as the plan says) and backward of each
+    loss call of one mini-batch; gradients accumulate from zero. With `record` (a deferred old pass)
+    each forward's log-probs and entropies are also pi_old's, recorded in `old`, and the calls use the
+    controller state that the first call's token entropy predicts (`layer.peek_step`)."""
+    from stare_cli.method.layer import LossInputs
+
+    R, E = cfg.rollout, cfg.backend.embedded
+    share = (policy.device.type == "cpu") if E.share_prompts == "auto" else E.share_prompts
+    bt, scaler = tb.transformed, policy.scaler
+    mini = [i for c in calls for i in c.rows]
+    state = tb.stare_state
+    policy.opt.zero_grad(set_to_none=True)
+    total, stats = 0.0, {}
+    for j, call in enumerate(calls):
+        idx = call.rows
+        if old.fused:
+            lp, en = old.current
+        else:
+            with policy.autocast():
+                lp, en = token_logprobs_entropy(policy.model, old.batch, idx, R.temperature,
+                                                need_entropy=layer.needs_entropy_in_loss or record,
+                                                buckets=E.length_buckets, share_prompts=share,
+                                                chunked_head=chunked_head(E, policy.model))
+        if record:
+            old.old_logp[idx], old.entropy[idx] = lp.detach().float(), en.detach().float()
+            if j == 0:
+                state = layer.peek_step(old.H_of(idx))
+        loss, st = layer.loss(LossInputs(
+            log_prob=lp.float(), old_log_prob=old.old_logp[idx], advantages=bt.advantages[idx],
+            mask=bt.mask[idx], agg=layer.call_agg(call, bt.mask, mini), entropy=None if en is None else en.float(),
+            stare=state, generator=gen, step=step + 1))
+        loss = loss * call.scale if call.scale != 1.0 else loss
+        (scaler.scale(loss) if scaler else loss).backward()
+        for k, v in st.items():
+            stats.setdefault(k, []).append(float(v))
+        total += float(loss.detach())
+    return CallsDone(total, stats, state)
 
 
 def scaler_step(scaler, opt) -> int:

@@ -306,7 +306,7 @@ TABLE: list[Row] = [
     # backends
     Row(("backend.embedded.device", "backend.embedded.threads", "backend.embedded.length_buckets",
          "backend.embedded.share_prompts", "backend.embedded.lm_head", "backend.embedded.lean_activations",
-         "backend.embedded.activation_checkpointing"),
+         "backend.embedded.fused_old_pass", "backend.embedded.heap", "backend.embedded.activation_checkpointing"),
         "other",
         "the embedded backend's section"),
     Row(("backend.verl.nnodes", "backend.verl.n_gpus_per_node"), "verl", "",

@@ -394,6 +394,23 @@ class EmbeddedBackend(_Strict):
         "the norms' gradients up to the order of one three-term sum; SmolLM2: 38% fewer activation bytes per "
         "token. 'auto': on from a vocabulary of 4,096 tokens (every real model), off for the toys (whose numbers "
         "in docs/ were made without it); true / false: on / off; ignored under autocast (bf16/fp16).")
+    fused_old_pass: StrictBool = Field(
+        True, description="Where the weights cannot change between pi_old's pass and the training forwards (one "
+        "mini-batch, one PPO epoch), take pi_old's log-probs and token entropies from the training forwards "
+        "themselves (detached) instead of a separate no-grad forward: the same numbers, one forward per micro-batch "
+        "fewer. With several micro-batches it needs a method whose batch transform does not read them (not "
+        "top-entropy, STAPO, RSI-S or batch-scope STARE); the step's controller state (STARE's gate, adaptive W/M) "
+        "is then predicted from the first micro-batch's entropy and, where the batch's H decides otherwise, the "
+        "micro-batches run again with the right one (metric fused/rerun). false: always the separate pass.")
+    heap: Literal["auto", "mapped", "glibc"] = Field(
+        "auto", description="On the CPU with glibc: 'mapped' maps every block from 128 KiB on by itself during "
+        "the training phase (old pass and updates; mallopt M_MMAP_THRESHOLD), so a freed activation leaves the "
+        "process at once (real-model recipe: 1.2 GiB lower peak), at the cost of page faults (0-30% more training "
+        "time, measured), and keeps blocks under 32 MiB in the heap during the rollout; 'glibc': glibc's default, "
+        "whose threshold rises with the blocks freed (up to 32 MiB) and keeps them in the heap; 'auto': mapped for "
+        "real models (a vocabulary of 4,096 tokens on) whose recipe trades time for memory (several micro-batches "
+        "per mini-batch, or activation checkpointing), glibc's default otherwise. The numbers computed are the "
+        "same (docs/guide/memory.md).")
     activation_checkpointing: StrictBool = Field(
         False, description="Keep only each decoder layer's input for the backward pass and recompute the rest "
         "(transformers' gradient checkpointing): activation memory per micro-batch drops by about the layer's "

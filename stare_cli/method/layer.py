@@ -32,6 +32,7 @@ advantage transforms (exact for the PPO-clip family, since the loss is linear in
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
@@ -162,13 +163,14 @@ class StareState:
 @dataclass
 class BatchInputs:
     """One training batch after dynamic sampling. rewards, group, finished: [B]; mask, old_log_prob,
-    entropy: [B, T] (mask: valid response tokens; tool observations already 0)."""
+    entropy: [B, T] (mask: valid response tokens; tool observations already 0). Without old_log_prob and
+    entropy the transform leaves out the metrics that read them (`policy_metrics` gives them later)."""
 
     rewards: Tensor
     group: Tensor
     mask: Tensor
-    old_log_prob: Tensor
-    entropy: Tensor
+    old_log_prob: Optional[Tensor]  # None: not known yet (a fused old pass); only for `transform_reads_policy` False
+    entropy: Optional[Tensor]
     finished: Tensor
 
 
@@ -235,6 +237,14 @@ class MethodLayer:
         adaptive one included)."""
         return self.spec.entro_adv or self.cfg.entropy_coef > 0 or self.cfg.adaptive_entropy.enable
 
+    @property
+    def transform_reads_policy(self) -> bool:
+        """Whether the batch transform (advantages, loss mask) reads pi_old's log-probs or token entropies:
+        top-entropy, STAPO, RSI-S and batch-scope STARE. Without them every input of a loss call is known before
+        the first training forward, except the controller's state (`peek_step`)."""
+        return bool(self.spec.top_entropy or self.spec.stapo or self.spec.rsi
+                    or (self.spec.stare and self.cfg.stare.scope == "batch"))
+
     # ---- 1. reward
     def reward_function(self, workers: int = 0):
         """The recipe's reward function (benchmarks.grading.rewards), created on first use; `close()` ends it."""
@@ -300,6 +310,18 @@ class MethodLayer:
         c.update(entropy)
         return StareState(c.gate, c.W, c.M), {"stare/gate": float(c.gate), "stare/W": c.W, "stare/M": c.M}
 
+    def peek_step(self, entropy: float) -> Optional[StareState]:
+        """The state `begin_step(entropy)` would return, the controller left as it is: a prediction of this
+        step's state from an estimate of H (a fused old pass's first micro-batch)."""
+        if self.controller is None:
+            return None
+        saved = copy.deepcopy(self.controller)
+        try:
+            state, _ = self.begin_step(entropy)
+        finally:
+            self.controller = saved
+        return state
+
     # ---- 5. per-batch transform
     def transform_batch(self, b: BatchInputs, stare: Optional[StareState] = None) -> BatchTransform:
         """Token advantages [B, T] and the loss mask for this batch (module docstring, step 5)."""
@@ -308,6 +330,8 @@ class MethodLayer:
             mask = mask * b.finished.to(mask.device, torch.float32)[:, None]
         adv = self.advantages(b.rewards, b.group).to(mask.device, torch.float32)[:, None] * mask
         metrics: dict[str, float] = {}
+        if (b.old_log_prob is None or b.entropy is None) and self.transform_reads_policy:
+            raise ValueError(f"{self.cfg.name}'s batch transform reads pi_old's log-probs and entropies")
         if self.spec.top_entropy:
             adv = adv * top_entropy_mask(b.entropy, mask, self.cfg.top_entropy_frac)
         if self.spec.stapo:
@@ -331,8 +355,14 @@ class MethodLayer:
                 raise ValueError("batch-scope STARE needs this step's StareState (begin_step)")
             adv, sel = self._stare(adv, b.old_log_prob.float(), mask, stare)
             metrics.update({k: float(v) for k, v in sel.items()})
-        metrics.update({k: float(v) for k, v in quadrant_stats(adv, b.old_log_prob, b.entropy, mask).items()})
+        if b.old_log_prob is not None and b.entropy is not None:
+            metrics.update(self.policy_metrics(adv, b.old_log_prob, b.entropy, mask))
         return BatchTransform(adv, mask, metrics)
+
+    @staticmethod
+    def policy_metrics(adv: Tensor, old_log_prob: Tensor, entropy: Tensor, mask: Tensor) -> dict[str, float]:
+        """The transform's metrics that read pi_old ([B, T] each): the advantage x surprisal x entropy quadrants."""
+        return {k: float(v) for k, v in quadrant_stats(adv, old_log_prob, entropy, mask).items()}
 
     def _stare(self, adv: Tensor, log_prob: Tensor, mask: Tensor, st: StareState) -> tuple[Tensor, dict[str, float]]:
         """w * A for one selection scope, and the shares of valid tokens in L+ and L- (selected whatever
