@@ -673,10 +673,9 @@ class Heap:
         if E.heap == "glibc" or hw.device.type != "cpu" or not sys.platform.startswith("linux"):
             return cls()
         if E.heap == "auto":
-            head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
             saving = (O.micro_batch_tokens is not None or O.micro_batch_size < O.mini_batch_size * cfg.rollout.n
                       or E.activation_checkpointing)
-            if head is None or head.weight.shape[0] < AUTO_CHUNK_VOCAB or not saving:
+            if not (saving and real_vocabulary(model)):
                 return cls()
         try:
             import ctypes
@@ -866,12 +865,18 @@ def chunked_head(E, model=None) -> Optional[bool]:
     """backend.embedded.lm_head as token_logprobs_entropy's switch: None (chunked where the architecture
     allows it) or False (the model's own logits); 'auto' chunks from a vocabulary of AUTO_CHUNK_VOCAB on."""
     if E.lm_head == "auto":
-        head = model.get_output_embeddings() if model is not None else None
-        return None if head is not None and head.weight.shape[0] >= AUTO_CHUNK_VOCAB else False
+        return None if real_vocabulary(model) else False
     return None if E.lm_head == "chunked" else False
 
 
 AUTO_CHUNK_VOCAB = 4096
+
+
+def real_vocabulary(model) -> bool:
+    """Whether `model`'s output embedding has AUTO_CHUNK_VOCAB tokens or more (every real model; not the toys):
+    where the 'auto' settings (lm_head, lean_activations, heap) turn on."""
+    head = model.get_output_embeddings() if model is not None and hasattr(model, "get_output_embeddings") else None
+    return head is not None and head.weight.shape[0] >= AUTO_CHUNK_VOCAB
 
 
 def lean_activations(E, model) -> bool:
@@ -881,8 +886,7 @@ def lean_activations(E, model) -> bool:
 
     if E.lean_activations is False or not lean.supports(model):
         return False
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return E.lean_activations is True or (head is not None and head.weight.shape[0] >= AUTO_CHUNK_VOCAB)
+    return E.lean_activations is True or real_vocabulary(model)
 
 
 def old_pass(policy: Policy, layer, ro: StepRollouts, cfg: Recipe) -> OldPass:
