@@ -19,6 +19,37 @@ def full_benchmarks() -> Path:
         pytest.skip(f"needs the full benchmark files in {BENCH_DATA} (../shared is not beside this clone)")
     return BENCH_DATA
 
+# Disk: the suite writes converted models, runs and checkpoints under the temporary folder. With passed
+# tests' folders deleted as they end (pyproject: tmp_path_retention_policy), the most it held at once was
+# SUITE_DISK_GIB (measured on a clean clone, 2026-12-07). Below that, the suite stops before any test with
+# one line that says so, instead of ninety tests failing on "no space left on device".
+SUITE_DISK_GIB = 4.0
+
+
+def disk_shortfall(folder: str, need_gib: float = SUITE_DISK_GIB) -> str | None:
+    """The one-line reason the suite cannot run in `folder` for want of disk, or None when it can."""
+    import shutil
+
+    existing = Path(folder).absolute()
+    while not existing.exists():  # --basetemp may name a folder pytest has yet to make
+        existing = existing.parent
+    free_gib = shutil.disk_usage(existing).free / 2**30
+    if free_gib >= need_gib:
+        return None
+    return (f"only {free_gib:.1f} GiB free in {folder}, and the suite writes up to {need_gib:.1f} GiB there "
+            f"(converted models, runs, checkpoints): free some space, or point TMPDIR at a larger filesystem")
+
+
+def pytest_sessionstart(session):
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the controller checks once, for its workers too
+        return
+    import tempfile
+
+    reason = disk_shortfall(str(session.config.option.basetemp or tempfile.gettempdir()))
+    if reason:
+        pytest.exit(reason, returncode=1)
+
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 
