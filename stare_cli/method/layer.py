@@ -200,6 +200,22 @@ class LossInputs:
 
 
 # ------------------------------------------------------------------------------------------ layer
+def _advance(controller: Optional[Union[StareController, AdaptiveEntropyController]],
+             entropy: float) -> tuple[Optional[StareState], dict[str, float]]:
+    """Move `controller` (in place) with one step's batch entropy H; the state for the step's loss calls and
+    its metrics (`MethodLayer.begin_step`)."""
+    if controller is None:
+        return None, {}
+    if isinstance(controller, AdaptiveEntropyController):
+        coef = controller.coefficient
+        controller.update(entropy)
+        return StareState(False, 1.0, 1.0, coef), {"entropy_control/coef": coef,
+                                                  "entropy_control/next_coef": controller.coefficient}
+    controller.update(entropy)
+    return (StareState(controller.gate, controller.W, controller.M),
+            {"stare/gate": float(controller.gate), "stare/W": controller.W, "stare/M": controller.M})
+
+
 class MethodLayer:
     """Everything a method decides, for one run (module docstring). Build with `from_recipe`."""
 
@@ -298,29 +314,12 @@ class MethodLayer:
         state for this step's loss calls (None for methods without a controller) and its metrics. STARE's
         gate reads this step's H; adaptive entropy control's coefficient is the one set by the steps before
         (Skywork-OR1 updates it after each step), then H moves it for the next step."""
-        if self.controller is None:
-            return None, {}
-        if isinstance(self.controller, AdaptiveEntropyController):
-            a = self.controller
-            coef = a.coefficient
-            a.update(entropy)
-            return StareState(False, 1.0, 1.0, coef), {"entropy_control/coef": coef,
-                                                      "entropy_control/next_coef": a.coefficient}
-        c = self.controller
-        c.update(entropy)
-        return StareState(c.gate, c.W, c.M), {"stare/gate": float(c.gate), "stare/W": c.W, "stare/M": c.M}
+        return _advance(self.controller, entropy)
 
     def peek_step(self, entropy: float) -> Optional[StareState]:
-        """The state `begin_step(entropy)` would return, the controller left as it is: a prediction of this
-        step's state from an estimate of H (a fused old pass's first micro-batch)."""
-        if self.controller is None:
-            return None
-        saved = copy.deepcopy(self.controller)
-        try:
-            state, _ = self.begin_step(entropy)
-        finally:
-            self.controller = saved
-        return state
+        """The state `begin_step(entropy)` would return, the controller left as it is (a copy is advanced): a
+        prediction of this step's state from an estimate of H (a fused old pass's first micro-batch)."""
+        return _advance(copy.deepcopy(self.controller), entropy)[0]
 
     # ---- 5. per-batch transform
     def transform_batch(self, b: BatchInputs, stare: Optional[StareState] = None) -> BatchTransform:
