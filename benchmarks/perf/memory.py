@@ -29,22 +29,22 @@ import tempfile
 from pathlib import Path
 
 # name -> overrides on top of the recipe (issue 69's table). The first is the shipped default; the ratios
-# are to the second, the default before lean activations (autograd's own saved tensors) and the heap setting
-# (backend.embedded.heap: 'auto' maps the training phase's blocks where a recipe saves memory).
+# are to the second, the default before lean activations (autograd's own saved tensors). The heap is glibc's
+# unless a variant maps it (backend.embedded.heap: 'auto' is glibc's).
 VARIANTS = {
     "default": [],
-    "before: autograd's saved tensors, glibc's heap": ["backend.embedded.lean_activations=false",
-                                                       "backend.embedded.heap=glibc"],
+    "before: autograd's saved tensors": ["backend.embedded.lean_activations=false"],
     "default, mapped heap": ["backend.embedded.heap=mapped"],
+    "micro_batch_size=16": ["optim.micro_batch_size=16"],
+    "micro_batch_size=8": ["optim.micro_batch_size=8"],
+    "micro_batch_size=16, mapped heap": ["optim.micro_batch_size=16", "backend.embedded.heap=mapped"],
+    "micro_batch_size=8, mapped heap": ["optim.micro_batch_size=8", "backend.embedded.heap=mapped"],
     "micro_batch_tokens=1600": ["optim.micro_batch_tokens=1600"],
     "micro_batch_tokens=800": ["optim.micro_batch_tokens=800"],
-    "micro_batch_size=16": ["optim.micro_batch_size=16"],
-    "micro_batch_size=16, glibc's heap": ["optim.micro_batch_size=16", "backend.embedded.heap=glibc"],
-    "micro_batch_size=8": ["optim.micro_batch_size=8"],
     "activation checkpointing": ["backend.embedded.activation_checkpointing=true"],
     "checkpointing + tokens=1600": ["backend.embedded.activation_checkpointing=true", "optim.micro_batch_tokens=1600"],
 }
-BASE = "before: autograd's saved tensors, glibc's heap"
+BASE = "before: autograd's saved tensors"
 
 
 def one_step(recipe: str, overrides: list[str], out: Path, steps: int) -> dict:

@@ -482,7 +482,7 @@ def train(cfg: Recipe, out_root: Path | str = "runs", resume: Optional[ResumePla
     log.note(f"loading {cfg.model.path} ({hw.device.type}, fp32 master weights, {O.precision} compute)")
     t_load = time.perf_counter()
     policy = load_policy(cfg, hw, run)
-    heap = Heap.choose(hw, cfg, policy.model)
+    heap = Heap.choose(hw, cfg)
     if heap.libc is not None:
         log.note(f"heap: in training, blocks from {MAPPED_FROM_BYTES // 1024} KiB are mapped one by one "
                  "(backend.embedded.heap)")
@@ -654,29 +654,24 @@ M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
 
 @dataclass
 class Heap:
-    """backend.embedded.heap: on the CPU with glibc, under 'mapped' (or 'auto', `choose`), every block
-    from MAPPED_FROM_BYTES on is mapped by itself during the training phase (`training()`: old pass and
-    updates) and unmapped when freed, so a freed activation leaves the process at once. glibc's own threshold
-    rises to the largest block freed (up to 32 MiB) and then keeps such blocks in the heap: on the real-model
-    recipe the micro-batches' freed blocks held 0.3-0.8 GiB beside the live ones. Outside training the
-    threshold is HEAP_FROM_BYTES, where glibc's settles: the rollout's key/value cache grows by a block per
-    token, and mapping each of them cost more time than it saved memory."""
+    """backend.embedded.heap: on the CPU with glibc, under 'mapped', every block from MAPPED_FROM_BYTES on is
+    mapped by itself during the training phase (`training()`: old pass and updates) and unmapped when freed, so
+    a freed activation leaves the process at once. glibc's own threshold rises to the largest block freed (up to
+    32 MiB) and then keeps such blocks in the heap: on the real-model recipe the blocks of 128 KiB to 1 MiB that
+    a micro-batch's forward and backward free held 0.4-0.6 GiB beside the live ones (0.07-0.15 GiB came back by
+    trimming between micro-batches). Outside training the threshold is HEAP_FROM_BYTES, where glibc's settles:
+    the rollout's key/value cache grows by a block per token, and mapping each of them cost more time than it
+    saved memory. 'auto' (the default) and 'glibc' leave glibc's heap as it is: mapping cost 25-45% more training
+    time for its 0.4-0.6 GiB, where halving the micro-batch saves as much for less than half the extra time
+    (docs/guide/memory.md)."""
 
     libc: Any = None  # glibc through ctypes, or None: nothing is changed
 
     @classmethod
-    def choose(cls, hw: Hardware, cfg: Recipe, model) -> "Heap":
-        """'auto': mapped for a real model (a vocabulary of AUTO_CHUNK_VOCAB on) whose recipe trades time for
-        memory (several micro-batches per mini-batch, or activation checkpointing); glibc's heap otherwise,
-        where the mapping's page faults cost more time than a recipe that does not ask for memory wants."""
-        E, O = cfg.backend.embedded, cfg.optim
-        if E.heap == "glibc" or hw.device.type != "cpu" or not sys.platform.startswith("linux"):
+    def choose(cls, hw: Hardware, cfg: Recipe) -> "Heap":
+        """The recipe's heap on this hardware: mapped only under 'mapped', on the CPU, with glibc."""
+        if cfg.backend.embedded.heap != "mapped" or hw.device.type != "cpu" or not sys.platform.startswith("linux"):
             return cls()
-        if E.heap == "auto":
-            saving = (O.micro_batch_tokens is not None or O.micro_batch_size < O.mini_batch_size * cfg.rollout.n
-                      or E.activation_checkpointing)
-            if not (saving and real_vocabulary(model)):
-                return cls()
         try:
             import ctypes
 
@@ -874,7 +869,7 @@ AUTO_CHUNK_VOCAB = 4096
 
 def real_vocabulary(model) -> bool:
     """Whether `model`'s output embedding has AUTO_CHUNK_VOCAB tokens or more (every real model; not the toys):
-    where the 'auto' settings (lm_head, lean_activations, heap) turn on."""
+    where the 'auto' settings (lm_head, lean_activations) turn on."""
     head = model.get_output_embeddings() if model is not None and hasattr(model, "get_output_embeddings") else None
     return head is not None and head.weight.shape[0] >= AUTO_CHUNK_VOCAB
 

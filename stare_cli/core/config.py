@@ -405,12 +405,11 @@ class EmbeddedBackend(_Strict):
     heap: Literal["auto", "mapped", "glibc"] = Field(
         "auto", description="On the CPU with glibc: 'mapped' maps every block from 128 KiB on by itself during "
         "the training phase (old pass and updates; mallopt M_MMAP_THRESHOLD), so a freed activation leaves the "
-        "process at once (real-model recipe: 1.2 GiB lower peak), at the cost of page faults (0-30% more training "
-        "time, measured), and keeps blocks under 32 MiB in the heap during the rollout; 'glibc': glibc's default, "
-        "whose threshold rises with the blocks freed (up to 32 MiB) and keeps them in the heap; 'auto': mapped for "
-        "real models (a vocabulary of 4,096 tokens on) whose recipe trades time for memory (several micro-batches "
-        "per mini-batch, or activation checkpointing), glibc's default otherwise. The numbers computed are the "
-        "same (docs/guide/memory.md).")
+        "process at once, and keeps blocks under 32 MiB in the heap during the rollout: on the real-model recipe "
+        "1.2 GiB lower with one micro-batch, 0.4-0.6 GiB with several, at 25-45% more training time (page faults); "
+        "'glibc': glibc's default, whose threshold rises with the blocks freed (up to 32 MiB) and keeps them in the "
+        "heap; 'auto': glibc's, because halving optim.micro_batch_size saves as much memory for less than half "
+        "the extra time (measured). The numbers computed are the same (docs/guide/memory.md).")
     activation_checkpointing: StrictBool = Field(
         False, description="Keep only each decoder layer's input for the backward pass and recompute the rest "
         "(transformers' gradient checkpointing): activation memory per micro-batch drops by about the layer's "
