@@ -143,10 +143,11 @@ def plan(cfg: Recipe, model_path: str, device: Optional[str] = None, prompt_toke
     if calls > 1 or E.activation_checkpointing:
         what = " and ".join(x for x in (f"{calls} micro-batches per mini-batch" if calls > 1 else "",
                                          "activation checkpointing" if E.activation_checkpointing else "") if x)
-        notes.append(f"not a bound with {what}: the measured peak of the real-model recipe was 3-35% above this plan "
-                     "(what glibc's heap keeps of the micro-batches' freed blocks, padding to each bucket's longest row, "
-                     "and what checkpointing's recomputation holds beside the saved inputs are not modelled; "
-                     "benchmarks/perf/memory.py)")
+        notes.append(f"not a bound with {what}: on glibc's heap (backend.embedded.heap: auto) the measured peak of the "
+                     "real-model recipe was 26-33% above this plan with several micro-batches and 50-53% above with "
+                     "checkpointing; 3-26% with heap: mapped (what glibc's heap keeps of the freed blocks of each "
+                     "forward and backward, and the backward's transients beyond the LM head's chunks, are not "
+                     "modelled; benchmarks/perf/memory.py and memory_phases.py)")
     head_dim = getattr(mcfg, "head_dim", None) or mcfg.hidden_size // mcfg.num_attention_heads
     kv_heads = getattr(mcfg, "num_key_value_heads", None) or mcfg.num_attention_heads
     gen_rows = max(1, R.gen_batch_size * R.n)
