@@ -194,13 +194,14 @@ def train(
         raise UsageError("--emit-script applies to the verl backend", hint="add --backend verl")
     if dry_run:
         from benchmarks.data.models import check_model_name, resolve_model_path
-        from stare_cli.backends.memory_plan import check_fits, plan
+        from stare_cli.backends.memory_plan import check_fits, plan, typical_line
 
         path = resolve_model_path(cfg.model.path)
         check_model_name("model.path", cfg.model.path, path)
         p = plan(cfg, path)
         for line in p.lines():
             typer.echo(line)
+        typer.echo(typical_line(cfg, path, out, p))
         warning = check_fits(p)
         if warning:
             print(f"warning: {warning}", file=sys.stderr)

@@ -144,3 +144,49 @@ print(json.dumps([[r.phase, r.peak, r.end] for r in clock.rows]))
     (_, big_peak, big_end), (_, small_peak, _) = rows[1], rows[2]
     assert big_peak - small_peak >= 0.25 * 0.99  # GiB: 'small' did not inherit 'big''s peak
     assert small_peak <= big_end + 0.01  # nothing in 'small' rose above where 'big' ended
+
+
+def test_dry_run_plans_at_the_newest_runs_mean_lengths(tmp_path, quick_toy, cli):
+    """Issue 69: where a run of the recipe exists, `--dry-run` also plans at the measured lengths: the mean
+    prompt of the first 64 training prompts and the newest run's mean `len/mean`; another recipe's run, another
+    model's, or a folder without metrics is not read; with none it says so."""
+    from dataclasses import replace
+
+    from stare_cli.backends.memory_plan import mean_prompt_tokens, typical_line, typical_lengths
+
+    cfg = load_recipe("tiny/arith", None, [f"model.path={quick_toy}"])
+    runs = tmp_path / "runs"
+    P, n = mean_prompt_tokens(cfg, str(quick_toy))
+    assert n == 64 and 1 <= P <= cfg.rollout.max_prompt_tokens
+
+    def run(name: str, lens: list[float], model: str = str(quick_toy), when: int = 0):
+        d = runs / name
+        d.mkdir(parents=True)
+        (d / "config.yaml").write_text(f"model:\n  path: {model}\n")
+        (d / "metrics.jsonl").write_text("".join(json.dumps({"step": i + 1, "len/mean": v}) + "\n"
+                                                 for i, v in enumerate(lens)))
+        os.utime(d / "metrics.jsonl", (1_700_000_000 + when, 1_700_000_000 + when))
+        return d
+
+    assert typical_lengths(cfg, str(quick_toy), runs).response_tokens is None  # no folder at all
+    run("tiny-arith__grpo-ds__seed1__20260101-000000", [30.0, 34.0], when=1)  # mean 32
+    newest = run("tiny-arith__stare-o1__seed1__20260102-000000", [20.0, 21.0, 25.0], when=2)  # mean 22
+    run("tiny-arith__grpo-ds__seed2__20260103-000000", [50.0], model="elsewhere", when=3)  # another model
+    run("tiny-explore__grpo-ds__seed1__20260104-000000", [60.0], when=4)  # another recipe
+    (runs / "tiny-arith__grpo-ds__seed3__20260105-000000").mkdir()  # no metrics: not a run to read
+    t = typical_lengths(cfg, str(quick_toy), runs)
+    assert t.run_dir == str(newest) and t.steps == 3 and t.response_tokens == pytest.approx(22.0)
+    assert t.prompt_tokens == pytest.approx(P)
+
+    at_maxima = plan(cfg, str(quick_toy), device="cpu")
+    line = typical_line(cfg, str(quick_toy), runs, at_maxima)
+    expected = replace(plan(cfg, str(quick_toy), device="cpu", prompt_tokens=round(P), response_tokens=22),
+                       runtime=at_maxima.runtime)
+    assert line.startswith(f"  at measured lengths: peak {expected.peak / 2**30:.2f} GiB")
+    assert f"responses 22.0, the mean over 3 steps of {newest}" in line
+    none = typical_line(cfg, str(quick_toy), tmp_path / "empty", at_maxima)
+    assert "no run of tiny/arith under" in none and "the peak above is at the maxima" in none
+
+    code, out, err = cli("train", "-r", "tiny/arith", "--dry-run", "--out", str(runs), "-o", f"model.path={quick_toy}")
+    assert code == 0, err
+    assert f"responses 22.0, the mean over 3 steps of {newest}" in out

@@ -70,18 +70,11 @@ def one_step(recipe: str, overrides: list[str], out: Path, steps: int) -> dict:
 def mean_prompt_tokens(recipe: str, k: int = 64) -> float:
     """Mean tokens of the recipe's first k training prompts as the trainer builds them (template, chat)."""
     from benchmarks.data.models import resolve_model_path
-    from benchmarks.data.prompts import load_prompts
-    from benchmarks.generation.engines import load_tokenizer
-    from benchmarks.generation.templates import build_prompt
+    from stare_cli.backends.memory_plan import mean_prompt_tokens as mean_of
     from stare_cli.core.resolve import load_recipe
 
     cfg = load_recipe(recipe, None, [])
-    tok = load_tokenizer(resolve_model_path(cfg.model.path))
-    rows = load_prompts(cfg)[:k]
-    use_chat = cfg.model.chat_template == "auto"
-    lens = [len(tok(build_prompt(r["problem"], cfg.data.template.value, tok, use_chat, None),
-                    add_special_tokens=False)["input_ids"]) for r in rows]
-    return min(statistics.fmean(lens), cfg.rollout.max_prompt_tokens)
+    return mean_of(cfg, resolve_model_path(cfg.model.path), k)[0]
 
 
 def planned(recipe: str, overrides: list[str], prompt_len: float, response_len: float) -> float:

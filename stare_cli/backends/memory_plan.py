@@ -266,3 +266,84 @@ def check_fits(p: MemoryPlan) -> Optional[str]:
         return (f"the planned peak ({p.peak / GiB:.1f} GiB) exceeds the memory available here "
                 f"({avail / GiB:.1f} GiB): set optim.micro_batch_tokens, backend.embedded.activation_checkpointing")
     return None
+
+
+@dataclass
+class TypicalLengths:
+    """The lengths a recipe's rows have in practice: the mean prompt (tokens, as the trainer builds it) of
+    its first training prompts, and the mean response of its newest run where one exists."""
+
+    prompt_tokens: float
+    prompts: int  # how many prompts the mean is over
+    response_tokens: Optional[float]  # None: no run of the recipe with a response length logged
+    run_dir: Optional[str] = None
+    steps: int = 0  # metrics rows the response mean is over
+
+
+def mean_prompt_tokens(cfg: Recipe, model_path: str, k: int = 64) -> tuple[float, int]:
+    """(mean tokens, count) of the recipe's first k training prompts as the trainer builds them (template,
+    chat template, capped at rollout.max_prompt_tokens)."""
+    from benchmarks.data.prompts import load_prompts
+    from benchmarks.generation.engines import load_tokenizer
+    from benchmarks.generation.templates import build_prompt
+
+    tok = load_tokenizer(model_path)
+    rows = load_prompts(cfg)[:k]
+    use_chat = cfg.model.chat_template == "auto"
+    lens = [min(len(tok(build_prompt(r["problem"], cfg.data.template.value, tok, use_chat, None),
+                        add_special_tokens=False)["input_ids"]), cfg.rollout.max_prompt_tokens) for r in rows]
+    return (sum(lens) / len(lens), len(lens)) if lens else (float(cfg.rollout.max_prompt_tokens), 0)
+
+
+def typical_lengths(cfg: Recipe, model_path: str, runs_root) -> TypicalLengths:
+    """The recipe's mean prompt length, and the mean response length (`len/mean` over its metrics rows) of
+    the newest run of the same recipe and model under `runs_root` (a folder of run directories), if any."""
+    import json
+    from pathlib import Path
+
+    from stare_cli.core.runs import run_name
+
+    P, n = mean_prompt_tokens(cfg, model_path)
+    prefix = run_name(cfg).split("__")[0] + "__"  # the recipe's part of a run directory's name
+    root = Path(runs_root)
+    if not cfg.name:  # a recipe without a name: its runs cannot be told from others'
+        return TypicalLengths(P, n, None)
+    found = []
+    for d in (root.glob(prefix + "*") if root.is_dir() else []):
+        metrics = d / "metrics.jsonl"
+        if not metrics.is_file():
+            continue
+        try:
+            import yaml
+
+            if (yaml.safe_load((d / "config.yaml").read_text()) or {}).get("model", {}).get("path") != cfg.model.path:
+                continue
+            rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+        except (OSError, ValueError, AttributeError, yaml.YAMLError):
+            continue  # a damaged or foreign folder: not a run to read lengths from
+        lens = [float(r["len/mean"]) for r in rows if isinstance(r, dict) and "len/mean" in r]
+        if lens:
+            found.append((metrics.stat().st_mtime, str(d), sum(lens) / len(lens), len(lens)))
+    if not found:
+        return TypicalLengths(P, n, None)
+    _, d, T, steps = max(found)
+    return TypicalLengths(P, n, T, d, steps)
+
+
+def typical_line(cfg: Recipe, model_path: str, runs_root, at_maxima: MemoryPlan) -> str:
+    """`--dry-run`'s line for the plan at the recipe's typical lengths (typical_lengths): where a run exists,
+    the peak at its mean lengths; otherwise what is known (the prompts') and that no run was found.
+    `at_maxima` is the plan just printed: its runtime is this process's before any trace ran, which a
+    second plan in the same process would measure after the first one's traces."""
+    from dataclasses import replace
+
+    t = typical_lengths(cfg, model_path, runs_root)
+    if t.response_tokens is None:
+        return (f"  at measured lengths: no run of {cfg.name or 'this recipe'} under {runs_root} to read response "
+                f"lengths from (prompts: {t.prompt_tokens:.1f} tokens, the mean of the first {t.prompts}); the "
+                "peak above is at the maxima")
+    p = replace(plan(cfg, model_path, device=at_maxima.device, prompt_tokens=max(1, round(t.prompt_tokens)),
+                     response_tokens=max(1, round(t.response_tokens))), runtime=at_maxima.runtime)
+    return (f"  at measured lengths: peak {p.peak / GiB:.2f} GiB (prompts {t.prompt_tokens:.1f} tokens, the mean "
+            f"of the first {t.prompts}; responses {t.response_tokens:.1f}, the mean over {t.steps} steps of "
+            f"{t.run_dir})")
