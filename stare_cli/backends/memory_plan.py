@@ -301,21 +301,21 @@ def typical_lengths(cfg: Recipe, model_path: str, runs_root) -> TypicalLengths:
     import json
     from pathlib import Path
 
+    import yaml
+
     from stare_cli.core.runs import run_name
 
     P, n = mean_prompt_tokens(cfg, model_path)
-    prefix = run_name(cfg).split("__")[0] + "__"  # the recipe's part of a run directory's name
     root = Path(runs_root)
-    if not cfg.name:  # a recipe without a name: its runs cannot be told from others'
+    if not cfg.name or not root.is_dir():  # no runs, or a recipe without a name (its runs are not told apart)
         return TypicalLengths(P, n, None)
+    prefix = run_name(cfg).split("__")[0] + "__"  # the recipe's part of a run directory's name
     found = []
-    for d in (root.glob(prefix + "*") if root.is_dir() else []):
+    for d in root.glob(prefix + "*"):
         metrics = d / "metrics.jsonl"
         if not metrics.is_file():
             continue
         try:
-            import yaml
-
             if (yaml.safe_load((d / "config.yaml").read_text()) or {}).get("model", {}).get("path") != cfg.model.path:
                 continue
             rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
