@@ -1,7 +1,8 @@
 """Peak memory and step time of the real-model recipe's training steps under each memory setting of issue
 69's table (`VARIANTS`: the default; the default before lean activations; micro-batches of 16 and 8 rows;
-token budgets; activation checkpointing; both; the mapped heap beside glibc's), side by side in one run, each beside its memory plan (`stare train --dry-run`,
-stare_cli/backends/memory_plan.py) at the lengths the run had.
+token budgets; activation checkpointing; both; the mapped heap beside glibc's), side by side in one run,
+each beside its memory plan (`stare train --dry-run`, stare_cli/backends/memory_plan.py) at the lengths the
+run had.
 
 Each variant is `--steps` `stare train` steps of recipes/small/smollm2-135m-words.yaml (rollout, old
 log-probs, update; no evaluation) in a child process of its own, so that its peak resident set is its own

@@ -94,23 +94,16 @@ def instrument(clock: PhaseClock) -> None:
     def next_step():
         clock.step += 1
 
+    def training_starts():
+        clock.base.setdefault(clock.step, _status("VmRSS"))
+
     around(emb, "collect_rollouts", "rollout", on_enter=next_step)
-    around(emb, "old_pass", "old pass (separate or deferred)")
+    around(emb, "old_pass", "old pass (separate or deferred)", on_enter=training_starts)
     around(emb, "loss_calls", "loss calls")
     around(emb, "token_logprobs_entropy", "forward")
     around(torch.Tensor, "backward", "backward")
     around(emb, "save_checkpoint", "checkpoint")
 
-    def training_starts(*_a, **_k):
-        clock.base.setdefault(clock.step, _status("VmRSS"))
-
-    inner_old = emb.old_pass
-
-    def old_pass(*a, **k):
-        training_starts()
-        return inner_old(*a, **k)
-
-    emb.old_pass = old_pass
     optimizer.register_optimizer_step_pre_hook(lambda *_: clock.enter("optimizer step"))
     optimizer.register_optimizer_step_post_hook(lambda *_: clock.enter("after optimizer step"))
 

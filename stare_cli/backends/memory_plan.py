@@ -298,12 +298,12 @@ def mean_prompt_tokens(cfg: Recipe, model_path: str, k: int = 64) -> tuple[float
 def typical_lengths(cfg: Recipe, model_path: str, runs_root) -> TypicalLengths:
     """The recipe's mean prompt length, and the mean response length (`len/mean` over its metrics rows) of
     the newest run of the same recipe and model under `runs_root` (a folder of run directories), if any."""
-    import json
     from pathlib import Path
 
     import yaml
 
-    from stare_cli.core.runs import run_name
+    from stare_cli.core.runs import read_jsonl, run_name
+    from stare_kernel.errors import StareError
 
     P, n = mean_prompt_tokens(cfg, model_path)
     root = Path(runs_root)
@@ -318,10 +318,10 @@ def typical_lengths(cfg: Recipe, model_path: str, runs_root) -> TypicalLengths:
         try:
             if (yaml.safe_load((d / "config.yaml").read_text()) or {}).get("model", {}).get("path") != cfg.model.path:
                 continue
-            rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
-        except (OSError, ValueError, AttributeError, yaml.YAMLError):
+            rows = read_jsonl(metrics)  # the runs' own reader: a torn last line is skipped
+        except (OSError, ValueError, AttributeError, yaml.YAMLError, StareError):
             continue  # a damaged or foreign folder: not a run to read lengths from
-        lens = [float(r["len/mean"]) for r in rows if isinstance(r, dict) and "len/mean" in r]
+        lens = [float(r["len/mean"]) for r in rows if "len/mean" in r]
         if lens:
             found.append((metrics.stat().st_mtime, str(d), sum(lens) / len(lens), len(lens)))
     if not found:
