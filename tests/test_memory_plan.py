@@ -190,3 +190,10 @@ def test_dry_run_plans_at_the_newest_runs_mean_lengths(tmp_path, quick_toy, cli)
     code, out, err = cli("train", "-r", "tiny/arith", "--dry-run", "--out", str(runs), "-o", f"model.path={quick_toy}")
     assert code == 0, err
     assert f"responses 22.0, the mean over 3 steps of {newest}" in out
+    # training data that cannot be read here (a hub dataset offline, a file not there): the plan at the maxima
+    # still prints, and the last line says why it has no second one
+    code, out, err = cli("train", "-r", "tiny/arith", "--dry-run", "--out", str(runs), "-o", f"model.path={quick_toy}",
+                         "-o", f"data.train={tmp_path / 'absent.jsonl'}")
+    assert code == 0, err
+    assert "  peak " in out and "at measured lengths: not planned, the training prompts cannot be measured here" in out
+    assert "absent.jsonl' not found" in out

@@ -273,11 +273,12 @@ class TypicalLengths:
     """The lengths a recipe's rows have in practice: the mean prompt (tokens, as the trainer builds it) of
     its first training prompts, and the mean response of its newest run where one exists."""
 
-    prompt_tokens: float
+    prompt_tokens: Optional[float]  # None: the training prompts or the tokenizer cannot be read here (`why`)
     prompts: int  # how many prompts the mean is over
     response_tokens: Optional[float]  # None: no run of the recipe with a response length logged
     run_dir: Optional[str] = None
     steps: int = 0  # metrics rows the response mean is over
+    why: str = ""
 
 
 def mean_prompt_tokens(cfg: Recipe, model_path: str, k: int = 64) -> tuple[float, int]:
@@ -305,7 +306,10 @@ def typical_lengths(cfg: Recipe, model_path: str, runs_root) -> TypicalLengths:
     from stare_cli.core.runs import read_jsonl, run_name
     from stare_kernel.errors import StareError
 
-    P, n = mean_prompt_tokens(cfg, model_path)
+    try:
+        P, n = mean_prompt_tokens(cfg, model_path)
+    except (StareError, OSError, ValueError) as e:  # a hub dataset offline, a folder with only config.json
+        return TypicalLengths(None, 0, None, why=str(e).splitlines()[0][:200])
     root = Path(runs_root)
     if not cfg.name or not root.is_dir():  # no runs, or a recipe without a name (its runs are not told apart)
         return TypicalLengths(P, n, None)
@@ -338,6 +342,9 @@ def typical_line(cfg: Recipe, model_path: str, runs_root, at_maxima: MemoryPlan)
     from dataclasses import replace
 
     t = typical_lengths(cfg, model_path, runs_root)
+    if t.prompt_tokens is None:  # the plan above stands; --dry-run never fails for want of the data
+        return (f"  at measured lengths: not planned, the training prompts cannot be measured here ({t.why}); "
+                "the peak above is at the maxima")
     if t.response_tokens is None:
         return (f"  at measured lengths: no run of {cfg.name or 'this recipe'} under {runs_root} to read response "
                 f"lengths from (prompts: {t.prompt_tokens:.1f} tokens, the mean of the first {t.prompts}); the "
